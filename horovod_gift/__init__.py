@@ -1,0 +1,1 @@
+"""horovod-gift: low-precision gradient communication for Horovod."""

@@ -1,0 +1,1 @@
+"""Triton kernels of horovod-gift, each beside the plain-torch reference it must match."""
