@@ -8,7 +8,7 @@ VENV=${VENV:-.venv}
 PY=$VENV/bin/python
 LOG_DIR=.build
 mkdir -p "$LOG_DIR"
-step() { printf '[setup] %-44s' "$1"; }
+step() { printf '[setup] %-52s' "$1"; }
 
 step "OpenMPI (libopenmpi-dev, openmpi-bin)"
 if dpkg -s libopenmpi-dev openmpi-bin >/dev/null 2>&1 && command -v mpirun >/dev/null; then

@@ -1,0 +1,23 @@
+# The two commands of the quick start: `make demo` and `make test`. Both install what is missing first.
+PY := .venv/bin/python
+NP ?= 2
+
+.PHONY: setup test test-unit test-mpi demo clean
+
+setup:
+	@bash scripts/setup.sh
+
+test: setup
+	@bash scripts/run_tests.sh all
+
+test-unit: setup
+	@bash scripts/run_tests.sh unit
+
+test-mpi: setup
+	@bash scripts/run_tests.sh mpi
+
+demo: setup
+	@bash scripts/demo.sh
+
+clean:
+	rm -rf .build runs

@@ -1,0 +1,139 @@
+"""Data-parallel pretraining of a small Llama on a byte-level corpus, with Horovod.
+
+    horovodrun -np 2 -H localhost:2 python examples/train_llama.py --steps 200 --compression gift-nvfp4
+
+Rank 0 shows a progress bar, logs loss, tokens/s and bits per gradient element, and writes a CSV.
+"""
+import argparse
+import csv
+import os
+import pathlib
+import sys
+import time
+
+import torch
+import horovod.torch as hvd
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from data import ByteBatches, read_corpus  # noqa: E402
+from model import Llama, LlamaConfig  # noqa: E402
+
+COMPRESSIONS = ["none", "fp16"]
+
+
+def make_compression(name, model):
+    if name == "none":
+        return hvd.Compression.none, None
+    if name == "fp16":
+        return hvd.Compression.fp16, None
+    raise ValueError(f"--compression {name}: choose one of {COMPRESSIONS}")
+
+
+def bits_per_element(name, compressor):
+    if compressor is not None:
+        return compressor.stats()["bits_per_element"]
+    return {"none": 32.0, "fp16": 16.0}[name]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--compression", default="none", choices=COMPRESSIONS)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default=None, help="text file or directory (default: the Python standard library's source)")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--csv", default=None, help="write per-step metrics here (rank 0)")
+    p.add_argument("--checkpoint", default=None, help="save here at the end (and every --save-every steps)")
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--resume", default=None, help="checkpoint to continue from")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    hvd.init()
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
+    cfg = LlamaConfig(dim=args.dim, n_layers=args.layers, n_heads=max(1, args.dim // 32),
+                      hidden_dim=(8 * args.dim // 3 + 7) // 8 * 8, max_seq_len=args.seq_len)
+    model = Llama(cfg)
+    compression, compressor = make_compression(args.compression, model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    start_step = 0
+    if args.resume:
+        ckpt = torch.load(args.resume, map_location="cpu", weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if compressor is not None:
+            compressor.load_state_dict(ckpt["compressor"])
+        start_step = ckpt["step"]
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compression)
+    batches = ByteBatches(read_corpus(args.data), args.seq_len, args.batch_size, seed=args.seed + start_step, rank=hvd.rank())
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
+    for _ in range(start_step):
+        schedule.step()
+
+    rank0 = hvd.rank() == 0
+    bar = None
+    if rank0 and not args.quiet:
+        from tqdm import tqdm
+        bar = tqdm(total=args.steps, initial=start_step, unit="step", dynamic_ncols=True)
+    rows, losses = [], []
+    tokens_per_step = args.batch_size * args.seq_len * hvd.size()
+    t_start = time.perf_counter()
+    for step in range(start_step, args.steps):
+        t0 = time.perf_counter()
+        x, y = batches.next()
+        optimizer.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        mean_loss = hvd.allreduce(loss.detach(), name="train.loss").item()
+        dt = time.perf_counter() - t0
+        losses.append(mean_loss)
+        row = {"step": step + 1, "loss": mean_loss, "tokens_per_s": tokens_per_step / dt,
+               "bits_per_element": bits_per_element(args.compression, compressor), "seconds": dt}
+        rows.append(row)
+        if rank0:
+            if bar is not None:
+                bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", bits=f"{row['bits_per_element']:.2f}")
+                bar.update(1)
+            else:
+                print(f"step {step + 1:5d}  loss {mean_loss:.4f}  tokens/s {row['tokens_per_s']:.0f}  "
+                      f"bits/elem {row['bits_per_element']:.2f}", flush=True)
+        if args.checkpoint and args.save_every and (step + 1) % args.save_every == 0:
+            save_checkpoint(args.checkpoint, model, optimizer, compressor, step + 1)
+    if bar is not None:
+        bar.close()
+    if args.checkpoint:
+        save_checkpoint(args.checkpoint, model, optimizer, compressor, args.steps)
+    if rank0 and args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    if rank0 and losses:
+        print(f"done: {len(losses)} steps on {hvd.size()} ranks in {time.perf_counter() - t_start:.1f}s; "
+              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    return losses
+
+
+def save_checkpoint(path, model, optimizer, compressor, step):
+    if hvd.rank() != 0:
+        return
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+    if compressor is not None:
+        state["compressor"] = compressor.state_dict()
+    torch.save(state, path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""FP8 (E4M3 / E5M2) quantization with an fp32 scale per block or per tensor: kernels and references.
+
+    scale = amax / MAX  (per block of BLOCK elements, or given per tensor)
+    code  = round(x / scale) to the format, saturated at MAX;   x_hat = value(code) * scale
+A block or tensor holding a non-finite value gets scale NaN and codes 0, so it decodes to NaN.
+An all-zero block gets scale 0 and decodes to exact zeros.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .rounding import (E4M3, E5M2, FloatFormat, decode_float, encode_float,
+                       encode_float_torch, is_nonfinite, is_nonfinite_torch, uniform_hash,
+                       uniform_hash_torch)
+
+NAN_BITS = tl.constexpr(0x7FC00000)
+FORMATS = {"fp8_e4m3": E4M3, "fp8_e5m2": E5M2}
+
+
+@triton.jit
+def fp8_quantize_tile(y, offs, tensor_scale, seed, PER_TENSOR: tl.constexpr, EBITS: tl.constexpr,
+                      MBITS: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Quantize a (ROWS, BLOCK) tile: returns codes, per-row scales and the dequantized tile."""
+    if PER_TENSOR:
+        scale = tl.zeros((y.shape[0],), tl.float32) + tensor_scale
+    else:
+        amax = tl.max(tl.abs(y), axis=1)
+        bad = tl.max(is_nonfinite(y).to(tl.int32), axis=1) > 0
+        nan = tl.full(amax.shape, NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+        scale = tl.where(bad, nan, tl.math.div_rn(amax, tl.zeros_like(amax) + MAX))
+    usable = (scale > 0) & (scale < float("inf"))
+    safe = tl.where(usable, scale, 1.0)
+    v = tl.where(usable[:, None], tl.math.div_rn(y, safe[:, None]), 0.0)
+    if STOCHASTIC:
+        noise = uniform_hash(seed, offs)
+    else:
+        noise = v
+    codes = encode_float(v, noise, EBITS, MBITS, BIAS, MAX, STOCHASTIC)
+    dequantized = decode_float(codes, EBITS, MBITS, BIAS) * scale[:, None]
+    return codes, scale, dequantized
+
+
+@triton.jit
+def fp8_encode_kernel(x_ptr, codes_ptr, scales_ptr, tensor_scale_ptr, n, seed,
+                      BLOCK: tl.constexpr, ROWS: tl.constexpr, PER_TENSOR: tl.constexpr,
+                      EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr,
+                      STOCHASTIC: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    tensor_scale = tl.load(tensor_scale_ptr) if PER_TENSOR else 0.0
+    codes, scale, _ = fp8_quantize_tile(x, offs, tensor_scale, seed, PER_TENSOR, EBITS, MBITS, BIAS, MAX, STOCHASTIC)
+    tl.store(codes_ptr + offs, codes.to(tl.uint8), mask=mask)
+    if not PER_TENSOR:
+        tl.store(scales_ptr + rows, scale, mask=rows * BLOCK < n)
+
+
+@triton.jit
+def fp8_decode_kernel(codes_ptr, scales_ptr, out_ptr, n, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                      PER_TENSOR: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = offs < n
+    codes = tl.load(codes_ptr + offs, mask=mask, other=0)
+    if PER_TENSOR:
+        scale = tl.load(scales_ptr + rows * 0)
+    else:
+        scale = tl.load(scales_ptr + rows, mask=rows * BLOCK < n, other=0.0)
+    tl.store(out_ptr + offs, decode_float(codes, EBITS, MBITS, BIAS) * scale[:, None], mask=mask)
+
+
+def _tile(n, block_size):
+    """(BLOCK, ROWS, grid) for a flat tensor of n elements; per-tensor scaling uses 1024-wide rows."""
+    block = block_size or 1024
+    rows = max(1, min(64, 4096 // block))
+    return block, rows, (triton.cdiv(triton.cdiv(n, block), rows),)
+
+
+def fp8_encode_triton(x, fmt: FloatFormat, block_size, tensor_scale=None, seed=0, stochastic=False):
+    """x: flat fp32. Per-tensor scaling (block_size None) takes the scale from the caller."""
+    n = x.numel()
+    codes = torch.empty(n, dtype=torch.uint8, device=x.device)
+    block, rows, grid = _tile(n, block_size)
+    per_tensor = block_size is None
+    scales = tensor_scale.reshape(1) if per_tensor else torch.empty(triton.cdiv(n, block), dtype=torch.float32, device=x.device)
+    if n:
+        fp8_encode_kernel[grid](x, codes, scales, scales, n, seed, BLOCK=block, ROWS=rows, PER_TENSOR=per_tensor,
+                                EBITS=fmt.ebits, MBITS=fmt.mbits, BIAS=fmt.bias, MAX=fmt.max, STOCHASTIC=stochastic)
+    return codes, scales
+
+
+def fp8_decode_triton(codes, scales, fmt: FloatFormat, block_size):
+    n = codes.numel()
+    out = torch.empty(n, dtype=torch.float32, device=codes.device)
+    block, rows, grid = _tile(n, block_size)
+    if n:
+        fp8_decode_kernel[grid](codes, scales, out, n, BLOCK=block, ROWS=rows, PER_TENSOR=block_size is None,
+                                EBITS=fmt.ebits, MBITS=fmt.mbits, BIAS=fmt.bias)
+    return out
+
+
+# ---------------------------------------------------------------- torch references (the CPU path)
+def tensor_scale_torch(amax, fmax):
+    """fp32 scale amax / fmax; NaN when amax is not finite."""
+    amax = amax.to(torch.float32)
+    return torch.where(torch.isfinite(amax), amax / fmax, torch.full_like(amax, float("nan")))
+
+
+def fp8_scales_torch(x, fmt: FloatFormat, block_size):
+    """Per-block scales of flat fp32 x (the last block may be partial)."""
+    n = x.numel()
+    nblocks = -(-n // block_size)
+    padded = torch.nn.functional.pad(x, (0, nblocks * block_size - n)).view(nblocks, block_size)
+    amax = padded.abs().amax(dim=1)
+    bad = is_nonfinite_torch(padded).any(dim=1)
+    return torch.where(bad, torch.full_like(amax, float("nan")), amax / fmt.max)
+
+
+def _expand(scales, n, block_size):
+    return scales.expand(n) if block_size is None else scales.repeat_interleave(block_size)[:n]
+
+
+def fp8_encode_torch(x, fmt: FloatFormat, block_size, tensor_scale=None, seed=0, stochastic=False):
+    n = x.numel()
+    scales = tensor_scale.reshape(1).to(torch.float32) if block_size is None else fp8_scales_torch(x, fmt, block_size)
+    s = _expand(scales, n, block_size)
+    usable = (s > 0) & (s < float("inf"))
+    v = torch.where(usable, x / torch.where(usable, s, 1.0), 0.0)
+    if stochastic:
+        codes = encode_float_torch(v, fmt, uniform_hash_torch(seed, torch.arange(n, device=x.device)))
+        return codes.to(torch.uint8), scales
+    # round-to-nearest-even with saturation is exactly torch's own cast after clamping
+    dtype = torch.float8_e4m3fn if fmt is E4M3 else torch.float8_e5m2
+    codes = v.clamp(-fmt.max, fmt.max).to(dtype).view(torch.uint8)
+    return codes.masked_fill_(codes == 0x80, 0), scales  # no negative zero
+
+
+def fp8_decode_torch(codes, scales, fmt: FloatFormat, block_size):
+    values = codes.view(torch.float8_e4m3fn if fmt is E4M3 else torch.float8_e5m2).to(torch.float32)
+    return values * _expand(scales, codes.numel(), block_size)

@@ -1,0 +1,134 @@
+"""NVFP4 quantization: kernels and references.
+
+    s_t  = amax(tensor) / (6 * 448)                       one fp32 per tensor (given by the caller)
+    s_b  = E4M3(amax(block) / (6 * s_t))                  one E4M3 code per 16-element block
+    code = E2M1(x / (s_b * s_t)), saturated at 6;         x_hat = value(code) * (s_b * s_t)
+Two codes a byte, the even element in the low nibble: 4.5 bits per element with the block scales.
+A non-finite tensor scale gives codes 0 and decodes to NaN; a zero block decodes to exact zeros.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .rounding import E2M1, E4M3, decode_float, decode_table, encode_float, encode_float_torch, uniform_hash, uniform_hash_torch
+
+BLOCK = 16
+TENSOR_SCALE_DIVISOR = E2M1.max * E4M3.max   # 2688
+
+
+@triton.jit
+def nvfp4_quantize_tile(y, offs, tensor_scale, seed, STOCHASTIC: tl.constexpr):
+    """Quantize a (ROWS, 16) tile: returns E2M1 codes, E4M3 scale codes and the dequantized tile."""
+    amax = tl.max(tl.abs(y), axis=1)
+    t_usable = (tensor_scale > 0) & (tensor_scale < float("inf"))
+    ratio = tl.where(t_usable, tl.math.div_rn(amax, tl.zeros_like(amax) + tensor_scale * 6.0), 0.0)
+    scale_codes = encode_float(ratio, ratio, 4, 3, 7, 448.0, False)
+    denom = decode_float(scale_codes, 4, 3, 7) * tensor_scale
+    usable = (denom > 0) & (denom < float("inf"))
+    v = tl.where(usable[:, None], tl.math.div_rn(y, tl.where(usable, denom, 1.0)[:, None]), 0.0)
+    if STOCHASTIC:
+        noise = uniform_hash(seed, offs)
+    else:
+        noise = v
+    codes = encode_float(v, noise, 2, 1, 1, 6.0, STOCHASTIC)
+    dequantized = decode_float(codes, 2, 1, 1) * denom[:, None]
+    return codes, scale_codes, dequantized
+
+
+@triton.jit
+def pack_nibbles(codes, ROWS: tl.constexpr):
+    even, odd = tl.split(tl.reshape(codes, (ROWS, 8, 2)))
+    return (even | (odd << 4)).to(tl.uint8)
+
+
+@triton.jit
+def unpack_nibbles(packed, ROWS: tl.constexpr):
+    packed = packed.to(tl.int32)
+    return tl.reshape(tl.join(packed & 15, packed >> 4), (ROWS, 16))
+
+
+@triton.jit
+def nvfp4_encode_kernel(x_ptr, packed_ptr, scale_codes_ptr, tensor_scale_ptr, n, seed,
+                        ROWS: tl.constexpr, STOCHASTIC: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs = rows[:, None] * 16 + tl.arange(0, 16)[None, :]
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    codes, scale_codes, _ = nvfp4_quantize_tile(x, offs, tl.load(tensor_scale_ptr), seed, STOCHASTIC)
+    byte_offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
+    tl.store(packed_ptr + byte_offs, pack_nibbles(codes, ROWS), mask=byte_offs * 2 < n)
+    tl.store(scale_codes_ptr + rows, scale_codes.to(tl.uint8), mask=rows * 16 < n)
+
+
+@triton.jit
+def nvfp4_decode_kernel(packed_ptr, scale_codes_ptr, tensor_scale_ptr, out_ptr, n, ROWS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    byte_offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
+    packed = tl.load(packed_ptr + byte_offs, mask=byte_offs * 2 < n, other=0)
+    scale_codes = tl.load(scale_codes_ptr + rows, mask=rows * 16 < n, other=0)
+    denom = decode_float(scale_codes, 4, 3, 7) * tl.load(tensor_scale_ptr)
+    values = decode_float(unpack_nibbles(packed, ROWS), 2, 1, 1) * denom[:, None]
+    offs = rows[:, None] * 16 + tl.arange(0, 16)[None, :]
+    tl.store(out_ptr + offs, values, mask=offs < n)
+
+
+ROWS_PER_PROGRAM = 256
+
+
+def nvfp4_encode_triton(x, tensor_scale, seed=0, stochastic=False):
+    n = x.numel()
+    packed = torch.empty((n + 1) // 2, dtype=torch.uint8, device=x.device)
+    scale_codes = torch.empty(triton.cdiv(n, BLOCK), dtype=torch.uint8, device=x.device)
+    if n:
+        grid = (triton.cdiv(n, BLOCK * ROWS_PER_PROGRAM),)
+        nvfp4_encode_kernel[grid](x, packed, scale_codes, tensor_scale, n, seed, ROWS=ROWS_PER_PROGRAM, STOCHASTIC=stochastic)
+    return packed, scale_codes
+
+
+def nvfp4_decode_triton(packed, scale_codes, tensor_scale, n):
+    out = torch.empty(n, dtype=torch.float32, device=packed.device)
+    if n:
+        grid = (triton.cdiv(n, BLOCK * ROWS_PER_PROGRAM),)
+        nvfp4_decode_kernel[grid](packed, scale_codes, tensor_scale, out, n, ROWS=ROWS_PER_PROGRAM)
+    return out
+
+
+# ---------------------------------------------------------------- torch references (the CPU path)
+def nvfp4_tensor_scale_torch(amax):
+    amax = amax.to(torch.float32)
+    return torch.where(torch.isfinite(amax), amax / TENSOR_SCALE_DIVISOR, torch.full_like(amax, float("nan")))
+
+
+def _blocks(x):
+    nblocks = -(-x.numel() // BLOCK)
+    return torch.nn.functional.pad(x, (0, nblocks * BLOCK - x.numel())).view(nblocks, BLOCK)
+
+
+def nvfp4_block_denominators(scale_codes, tensor_scale):
+    return scale_codes.view(torch.float8_e4m3fn).to(torch.float32) * tensor_scale
+
+
+def nvfp4_encode_torch(x, tensor_scale, seed=0, stochastic=False):
+    n = x.numel()
+    blocks = _blocks(x)
+    tensor_scale = tensor_scale.to(torch.float32).reshape(())
+    t_usable = (tensor_scale > 0) & (tensor_scale < float("inf"))
+    ratio = torch.where(t_usable, blocks.abs().amax(dim=1) / (tensor_scale * 6.0), 0.0)
+    scale_codes = ratio.clamp_max(E4M3.max).to(torch.float8_e4m3fn).view(torch.uint8)
+    denom = nvfp4_block_denominators(scale_codes, tensor_scale)
+    usable = ((denom > 0) & (denom < float("inf")))[:, None]
+    v = torch.where(usable, blocks / torch.where(usable, denom[:, None], 1.0), 0.0)
+    noise = uniform_hash_torch(seed, torch.arange(v.numel(), device=x.device)).view_as(v) if stochastic else None
+    codes = encode_float_torch(v, E2M1, noise)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).reshape(-1)[: (n + 1) // 2]
+    return packed, scale_codes
+
+
+_E2M1_VALUES = decode_table(E2M1)
+
+
+def nvfp4_decode_torch(packed, scale_codes, tensor_scale, n):
+    codes = torch.stack((packed & 15, packed >> 4), dim=1).reshape(-1)
+    codes = torch.nn.functional.pad(codes, (0, scale_codes.numel() * BLOCK - codes.numel()))
+    values = _E2M1_VALUES.to(packed.device)[codes.long()].view(-1, BLOCK)
+    denom = nvfp4_block_denominators(scale_codes, tensor_scale.to(torch.float32).reshape(()))
+    return (values * denom[:, None]).reshape(-1)[:n]

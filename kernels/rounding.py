@@ -1,0 +1,158 @@
+"""Exact-arithmetic rounding to small floating-point formats, as Triton helpers and their torch twins.
+
+Both sides round the same way with the same fp32 operations, so they give the same bits in the
+Triton interpreter, compiled on a GPU, and in eager or compiled torch on a CPU. Triton's own fp8
+casts are wrong in the interpreter (ties, carries, saturation), so no kernel relies on them.
+
+A format is (EBITS, MBITS, BIAS, MAX): E4M3 = (4, 3, 7, 448), E5M2 = (5, 2, 15, 57344),
+E2M1 = (2, 1, 1, 6). Its smallest normal exponent is 1 - BIAS. Values are rounded to nearest
+even, or stochastically with a counter-based hash (same stream in torch and Triton), and saturate
+at MAX. Codes carry the sign in their top bit.
+"""
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (v + M) - M rounds |v| < 2**22 to nearest even
+
+
+@dataclass(frozen=True)
+class FloatFormat:
+    name: str
+    ebits: int
+    mbits: int
+    bias: int
+    max: float
+
+    @property
+    def emin(self):
+        return 1 - self.bias
+
+    @property
+    def bits(self):
+        return 1 + self.ebits + self.mbits
+
+
+E4M3 = FloatFormat("e4m3", 4, 3, 7, 448.0)
+E5M2 = FloatFormat("e5m2", 5, 2, 15, 57344.0)
+E2M1 = FloatFormat("e2m1", 2, 1, 1, 6.0)
+
+
+# ---------------------------------------------------------------- Triton
+@triton.jit
+def _pow2(e):
+    """2**e as fp32 for an int32 tensor e in [-126, 127], built from its bits."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def uniform_hash(seed, index):
+    """A uniform float in [0, 1) for (seed, element index): lowbias32 applied twice."""
+    h = index.to(tl.uint32) ^ (seed.to(tl.uint32) * 0x9E3779B9)
+    h = h ^ (h >> 16)
+    h = h * 0x7FEB352D
+    h = h ^ (h >> 15)
+    h = h * 0x846CA68B
+    h = h ^ (h >> 16)
+    h = h * 0x7FEB352D
+    h = h ^ (h >> 15)
+    return (h >> 8).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
+def is_nonfinite(x):
+    return ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) == 0xFF
+
+
+@triton.jit
+def encode_float(v, noise, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+                 MAX: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Codes (int32, sign in bit EBITS+MBITS) of finite fp32 values v; noise in [0, 1) if STOCHASTIC."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    a = tl.abs(v)
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, 1 - BIAS)
+    units = a * _pow2(MBITS - e)               # exact: a power-of-two scaling, < 2**(MBITS+1)
+    if STOCHASTIC:
+        whole = tl.floor(units)
+        rounded = whole + (noise < units - whole).to(tl.float32)
+    else:
+        rounded = (units + RNE_MAGIC) - RNE_MAGIC
+    q = tl.minimum(rounded * _pow2(e - MBITS), MAX)
+    qbits = q.to(tl.int32, bitcast=True)
+    qe = (qbits >> 23) - 127
+    normal = ((qe + BIAS) << MBITS) | ((qbits >> (23 - MBITS)) & ((1 << MBITS) - 1))
+    subnormal = (q * _pow2(tl.full(q.shape, MBITS - 1 + BIAS, tl.int32))).to(tl.int32)
+    code = tl.where(qe >= 1 - BIAS, normal, subnormal)
+    return tl.where(code == 0, 0, code | (sign << (EBITS + MBITS)))  # no negative zero
+
+
+@triton.jit
+def decode_float(code, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr):
+    """fp32 values of int32 codes."""
+    code = code.to(tl.int32)
+    sign = (code >> (EBITS + MBITS)) & 1
+    ef = (code >> MBITS) & ((1 << EBITS) - 1)
+    m = code & ((1 << MBITS) - 1)
+    normal = (((ef - BIAS + 127) << 23) | (m << (23 - MBITS))).to(tl.float32, bitcast=True)
+    subnormal = m.to(tl.float32) * _pow2(tl.full(m.shape, 1 - BIAS - MBITS, tl.int32))
+    value = tl.where(ef > 0, normal, subnormal)
+    return (value.to(tl.int32, bitcast=True) | (sign << 31)).to(tl.float32, bitcast=True)
+
+
+# ---------------------------------------------------------------- torch
+def pow2_torch(e):
+    return ((e + 127) << 23).to(torch.int32).view(torch.float32)
+
+
+def uniform_hash_torch(seed, index):
+    """The same stream as `uniform_hash`, with int64 arithmetic masked to 32 bits."""
+    m = 0xFFFFFFFF
+    h = (index.to(torch.int64) & m) ^ ((int(seed) * 0x9E3779B9) & m)
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & m
+    h = h ^ (h >> 15)
+    h = (h * 0x846CA68B) & m
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & m
+    h = h ^ (h >> 15)
+    return (h >> 8).to(torch.float32) * 5.9604644775390625e-08
+
+
+def is_nonfinite_torch(x):
+    return ((x.view(torch.int32) >> 23) & 0xFF) == 0xFF
+
+
+def encode_float_torch(v, fmt: FloatFormat, noise=None):
+    """Codes (int32) of finite fp32 values v: the twin of `encode_float`."""
+    bits = v.view(torch.int32)
+    sign = (bits >> 31) & 1
+    a = v.abs()
+    e = torch.clamp_min(((a.view(torch.int32) >> 23) & 0xFF) - 127, fmt.emin)
+    units = a * pow2_torch(fmt.mbits - e)
+    if noise is not None:
+        whole = torch.floor(units)
+        rounded = whole + (noise < units - whole).to(torch.float32)
+    else:
+        rounded = (units + 12582912.0) - 12582912.0
+    q = torch.clamp_max(rounded * pow2_torch(e - fmt.mbits), fmt.max)
+    qbits = q.view(torch.int32)
+    qe = (qbits >> 23) - 127
+    normal = ((qe + fmt.bias) << fmt.mbits) | ((qbits >> (23 - fmt.mbits)) & ((1 << fmt.mbits) - 1))
+    subnormal = (q * 2.0 ** (fmt.mbits - fmt.emin)).to(torch.int32)
+    code = torch.where(qe >= fmt.emin, normal, subnormal)
+    return torch.where(code == 0, 0, code | (sign << (fmt.ebits + fmt.mbits)))
+
+
+def decode_table(fmt: FloatFormat):
+    """fp32 value of every code of the format, indexed by code."""
+    code = torch.arange(1 << fmt.bits, dtype=torch.int32)
+    sign = (code >> (fmt.ebits + fmt.mbits)) & 1
+    ef = (code >> fmt.mbits) & ((1 << fmt.ebits) - 1)
+    m = code & ((1 << fmt.mbits) - 1)
+    normal = (((ef - fmt.bias + 127) << 23) | (m << (23 - fmt.mbits))).view(torch.float32)
+    subnormal = m.to(torch.float32) * 2.0 ** (fmt.emin - fmt.mbits)
+    value = torch.where(ef > 0, normal, subnormal)
+    return (value.view(torch.int32) | (sign << 31)).view(torch.float32)

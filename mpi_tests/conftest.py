@@ -1,0 +1,34 @@
+"""Every rank runs every test. After each test the ranks exchange their outcomes through mpi4py
+(independent of the Horovod code under test), so a test that fails on any rank fails on all of
+them with that rank's message, and no rank runs ahead into the next test's collectives."""
+import pytest
+from mpi4py import MPI
+
+import horovod.torch as hvd
+
+COMM = MPI.COMM_WORLD
+
+
+def pytest_configure(config):
+    hvd.init()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call":
+        return
+    mine = (report.failed, str(report.longrepr) if report.failed else "")
+    everyone = COMM.allgather(mine)
+    failures = [(rank, text) for rank, (failed, text) in enumerate(everyone) if failed]
+    if failures and not report.failed:
+        report.outcome = "failed"
+    if failures:
+        report.longrepr = "\n".join(f"--- rank {rank} of {COMM.size} failed:\n{text}" for rank, text in failures)
+
+
+@pytest.fixture
+def comm():
+    """The MPI world communicator, for cross-rank assertions."""
+    return COMM

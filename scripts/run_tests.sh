@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Runs tests/ in one process, then mpi_tests/ under mpirun -np 2 and -np 4 (every rank runs every
+# test). Fails if any suite or any rank fails; kills and names a suite that hangs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+which=${1:-all}
+MPI_SUITE_TIMEOUT=${MPI_SUITE_TIMEOUT:-900}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export TRITON_INTERPRET=1   # kernels run in Triton's CPU interpreter here; a GPU run uses benchmarks/gpu_check.py
+mkdir -p .build
+failed=()
+
+if [ "$which" = all ] || [ "$which" = unit ]; then
+  echo "=== tests/ (single process) ==="
+  OMP_NUM_THREADS=2 "$PY" -m pytest tests -q
+  rc=$?
+  # pytest exit 5 means no test was collected: that is a failure of the suite, not a pass.
+  [ $rc -eq 0 ] || failed+=("tests/ (pytest exit $rc)")
+fi
+
+if [ "$which" = all ] || [ "$which" = mpi ]; then
+  for np in 2 4; do
+    echo "=== mpi_tests/ under mpirun -np $np (every rank runs every test; rank 0 reports) ==="
+    rm -f .build/mpi_tests-np$np-rank*.log
+    timeout --kill-after=30 "$MPI_SUITE_TIMEOUT" \
+      bash scripts/mpirun.sh "$np" bash scripts/mpi_rank.sh ".build/mpi_tests-np$np" "$PY" -m pytest mpi_tests -q
+    rc=$?
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+      echo "HUNG: mpi_tests/ under mpirun -np $np did not finish within ${MPI_SUITE_TIMEOUT}s and was killed."
+      for f in .build/mpi_tests-np$np-rank*.log; do echo "--- last lines of $f"; tail -n 5 "$f"; done
+      failed+=("mpi_tests np=$np (hung)")
+    elif [ $rc -ne 0 ]; then
+      failed+=("mpi_tests np=$np (exit $rc)")
+    fi
+  done
+fi
+
+if [ ${#failed[@]} -gt 0 ]; then
+  printf 'FAILED: %s\n' "${failed[@]}"
+  exit 1
+fi
+echo "all suites passed"
