@@ -57,20 +57,26 @@ def fp8_encode_kernel(x_ptr, codes_ptr, scales_ptr, tensor_scale_ptr, n, seed,
 
 
 @triton.jit
-def fp8_decode_kernel(codes_ptr, scales_ptr, out_ptr, n, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                      PER_TENSOR: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    mask = offs < n
-    codes = tl.load(codes_ptr + offs, mask=mask, other=0)
+def fp8_decode_tile(codes_ptr, scales_ptr, rows, offs, n, BLOCK: tl.constexpr, PER_TENSOR: tl.constexpr,
+                    EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr):
+    codes = tl.load(codes_ptr + offs, mask=offs < n, other=0)
     if PER_TENSOR:
         scale = tl.load(scales_ptr + rows * 0)
     else:
         scale = tl.load(scales_ptr + rows, mask=rows * BLOCK < n, other=0.0)
-    tl.store(out_ptr + offs, decode_float(codes, EBITS, MBITS, BIAS) * scale[:, None], mask=mask)
+    return decode_float(codes, EBITS, MBITS, BIAS) * scale[:, None]
 
 
-def _tile(n, block_size):
+@triton.jit
+def fp8_decode_kernel(codes_ptr, scales_ptr, out_ptr, n, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                      PER_TENSOR: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    values = fp8_decode_tile(codes_ptr, scales_ptr, rows, offs, n, BLOCK, PER_TENSOR, EBITS, MBITS, BIAS)
+    tl.store(out_ptr + offs, values, mask=offs < n)
+
+
+def tile_shape(n, block_size):
     """(BLOCK, ROWS, grid) for a flat tensor of n elements; per-tensor scaling uses 1024-wide rows."""
     block = block_size or 1024
     rows = max(1, min(64, 4096 // block))
@@ -81,7 +87,7 @@ def fp8_encode_triton(x, fmt: FloatFormat, block_size, tensor_scale=None, seed=0
     """x: flat fp32. Per-tensor scaling (block_size None) takes the scale from the caller."""
     n = x.numel()
     codes = torch.empty(n, dtype=torch.uint8, device=x.device)
-    block, rows, grid = _tile(n, block_size)
+    block, rows, grid = tile_shape(n, block_size)
     per_tensor = block_size is None
     scales = tensor_scale.reshape(1) if per_tensor else torch.empty(triton.cdiv(n, block), dtype=torch.float32, device=x.device)
     if n:
@@ -93,7 +99,7 @@ def fp8_encode_triton(x, fmt: FloatFormat, block_size, tensor_scale=None, seed=0
 def fp8_decode_triton(codes, scales, fmt: FloatFormat, block_size):
     n = codes.numel()
     out = torch.empty(n, dtype=torch.float32, device=codes.device)
-    block, rows, grid = _tile(n, block_size)
+    block, rows, grid = tile_shape(n, block_size)
     if n:
         fp8_decode_kernel[grid](codes, scales, out, n, BLOCK=block, ROWS=rows, PER_TENSOR=block_size is None,
                                 EBITS=fmt.ebits, MBITS=fmt.mbits, BIAS=fmt.bias)

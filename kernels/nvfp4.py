@@ -60,14 +60,19 @@ def nvfp4_encode_kernel(x_ptr, packed_ptr, scale_codes_ptr, tensor_scale_ptr, n,
 
 
 @triton.jit
-def nvfp4_decode_kernel(packed_ptr, scale_codes_ptr, tensor_scale_ptr, out_ptr, n, ROWS: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+def nvfp4_decode_tile(packed_ptr, scale_codes_ptr, tensor_scale_ptr, rows, n, ROWS: tl.constexpr):
     byte_offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
     packed = tl.load(packed_ptr + byte_offs, mask=byte_offs * 2 < n, other=0)
     scale_codes = tl.load(scale_codes_ptr + rows, mask=rows * 16 < n, other=0)
     denom = decode_float(scale_codes, 4, 3, 7) * tl.load(tensor_scale_ptr)
-    values = decode_float(unpack_nibbles(packed, ROWS), 2, 1, 1) * denom[:, None]
+    return decode_float(unpack_nibbles(packed, ROWS), 2, 1, 1) * denom[:, None]
+
+
+@triton.jit
+def nvfp4_decode_kernel(packed_ptr, scale_codes_ptr, tensor_scale_ptr, out_ptr, n, ROWS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = rows[:, None] * 16 + tl.arange(0, 16)[None, :]
+    values = nvfp4_decode_tile(packed_ptr, scale_codes_ptr, tensor_scale_ptr, rows, n, ROWS)
     tl.store(out_ptr + offs, values, mask=offs < n)
 
 

@@ -1,0 +1,172 @@
+"""The two kernels of the quantized collective, with their references.
+
+rotate_feedback_quantize: one pass over memory per rank and stage,
+    y = rotate(x) + r;   codes = Q(y);   r <- y - dequantize(codes)
+(rotation and error feedback optional). Formats with a tensor scale (NVFP4, FP8 per tensor) need
+amax(y) first: the same kernel runs once in AMAX_ONLY mode, writing one partial amax per program.
+
+accumulate: sum of k payloads of one format decoded to fp32, added in rank order 0..k-1, so the
+owner of a chunk gets the same bits whichever device it runs on.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .fp8 import FORMATS, fp8_decode_tile, fp8_decode_torch, fp8_encode_torch, fp8_quantize_tile, tensor_scale_torch, tile_shape
+from .hadamard import hadamard_tile, hadamard_torch, normalizer, random_signs
+from .nvfp4 import (nvfp4_decode_tile, nvfp4_decode_torch, nvfp4_encode_torch, nvfp4_quantize_tile,
+                    nvfp4_tensor_scale_torch, pack_nibbles)
+from .rounding import is_nonfinite
+
+
+@triton.jit
+def rotate_feedback_quantize_kernel(
+        x_ptr, residual_ptr, codes_ptr, scales_ptr, tensor_scale_ptr, amax_ptr, n, seed, rotation_seed, norm,
+        AMAX_ONLY: tl.constexpr, ROTATE: tl.constexpr, FEEDBACK: tl.constexpr, NVFP4: tl.constexpr,
+        PER_TENSOR: tl.constexpr, ROWS: tl.constexpr, HB: tl.constexpr, LOG2_HB: tl.constexpr,
+        QBLOCK: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr,
+        STOCHASTIC: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = (pid * ROWS + tl.arange(0, ROWS))[:, None] * HB + tl.arange(0, HB)[None, :]
+    mask = offs < n
+    y = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if ROTATE:
+        y = hadamard_tile(y * random_signs(rotation_seed, offs), ROWS, HB, LOG2_HB) * norm
+    if FEEDBACK:
+        y = y + tl.load(residual_ptr + offs, mask=mask, other=0.0)
+    if AMAX_ONLY:
+        amax = tl.max(tl.max(tl.abs(y), axis=1), axis=0)
+        bad = tl.max(tl.max(is_nonfinite(y).to(tl.int32), axis=1), axis=0)
+        tl.store(amax_ptr + pid, tl.where(bad > 0, float("inf"), amax))
+    else:
+        QROWS: tl.constexpr = ROWS * HB // QBLOCK
+        qrows = pid * QROWS + tl.arange(0, QROWS)
+        qoffs = tl.reshape(offs, (QROWS, QBLOCK))
+        if NVFP4:
+            codes, scale_codes, dequantized = nvfp4_quantize_tile(
+                tl.reshape(y, (QROWS, QBLOCK)), qoffs, tl.load(tensor_scale_ptr), seed, STOCHASTIC)
+            byte_offs = qrows[:, None] * 8 + tl.arange(0, 8)[None, :]
+            tl.store(codes_ptr + byte_offs, pack_nibbles(codes, QROWS), mask=byte_offs * 2 < n)
+            tl.store(scales_ptr + qrows, scale_codes.to(tl.uint8), mask=qrows * 16 < n)
+        else:
+            tensor_scale = tl.load(tensor_scale_ptr) if PER_TENSOR else 0.0
+            codes, scale, dequantized = fp8_quantize_tile(
+                tl.reshape(y, (QROWS, QBLOCK)), qoffs, tensor_scale, seed, PER_TENSOR, EBITS, MBITS, BIAS, MAX, STOCHASTIC)
+            tl.store(codes_ptr + qoffs, codes.to(tl.uint8), mask=qoffs < n)
+            if not PER_TENSOR:
+                tl.store(scales_ptr + qrows, scale, mask=qrows * QBLOCK < n)
+        if FEEDBACK:
+            tl.store(residual_ptr + offs, y - tl.reshape(dequantized, (ROWS, HB)), mask=mask)
+
+
+def _quant_block(fmt_name, block_size):
+    return 16 if fmt_name == "nvfp4" else (block_size or 1024)
+
+
+def rotate_feedback_quantize_triton(x, residual, fmt_name, block_size, rotation=None, seed=0, stochastic=False):
+    """x: flat fp32; residual: flat fp32 updated in place, or None. rotation: (block, seed) or None;
+    the caller has checked that x.numel() is a multiple of the rotation block.
+    Returns (codes, scales, tensor_scale)."""
+    n, device = x.numel(), x.device
+    nvfp4 = fmt_name == "nvfp4"
+    per_tensor = nvfp4 or block_size is None
+    qblock = _quant_block(fmt_name, block_size)
+    hb = rotation[0] if rotation else qblock
+    rows = max(1, 4096 // max(hb, qblock)) * max(1, qblock // hb)
+    grid = (triton.cdiv(n, rows * hb),)
+    fmt = FORMATS.get(fmt_name, FORMATS["fp8_e4m3"])
+    codes = torch.empty((n + 1) // 2 if nvfp4 else n, dtype=torch.uint8, device=device)
+    nblocks = triton.cdiv(n, qblock)
+    scales = torch.empty(nblocks, dtype=torch.uint8, device=device) if nvfp4 else torch.empty(
+        1 if block_size is None else nblocks, dtype=torch.float32, device=device)
+    tensor_scale = torch.zeros(1, dtype=torch.float32, device=device)
+    dummy = codes if residual is None else residual
+    common = dict(ROTATE=rotation is not None, FEEDBACK=residual is not None, NVFP4=nvfp4, PER_TENSOR=per_tensor,
+                  ROWS=rows, HB=hb, LOG2_HB=hb.bit_length() - 1, QBLOCK=qblock, EBITS=fmt.ebits, MBITS=fmt.mbits,
+                  BIAS=fmt.bias, MAX=fmt.max, STOCHASTIC=stochastic)
+    rotation_seed, norm = (rotation[1], normalizer(hb)) if rotation else (0, 1.0)
+    if n == 0:
+        return codes, scales, tensor_scale if nvfp4 else (scales if per_tensor else None)
+    if per_tensor:
+        partial = torch.empty(grid[0], dtype=torch.float32, device=device)
+        rotate_feedback_quantize_kernel[grid](x, dummy, codes, scales, tensor_scale, partial, n, seed, rotation_seed, norm,
+                                              AMAX_ONLY=True, **common)
+        scale_of = nvfp4_tensor_scale_torch if nvfp4 else (lambda a: tensor_scale_torch(a, fmt.max))
+        tensor_scale = scale_of(partial.max()).reshape(1)
+        if not nvfp4:
+            scales = tensor_scale
+    rotate_feedback_quantize_kernel[grid](x, dummy, codes, scales, tensor_scale, tensor_scale, n, seed, rotation_seed,
+                                          norm, AMAX_ONLY=False, **common)
+    return codes, scales, tensor_scale if nvfp4 else None
+
+
+@triton.jit
+def accumulate_kernel(codes_ptr, scales_ptr, tensor_scales_ptr, out_ptr, n, k, codes_stride, scales_stride,
+                      NVFP4: tl.constexpr, PER_TENSOR: tl.constexpr, ROWS: tl.constexpr, QBLOCK: tl.constexpr,
+                      EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs = rows[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
+    total = tl.zeros((ROWS, QBLOCK), tl.float32)
+    for j in range(k):
+        if NVFP4:
+            total += nvfp4_decode_tile(codes_ptr + j * codes_stride, scales_ptr + j * scales_stride,
+                                       tensor_scales_ptr + j, rows, n, ROWS)
+        else:
+            total += fp8_decode_tile(codes_ptr + j * codes_stride, scales_ptr + j * scales_stride,
+                                     rows, offs, n, QBLOCK, PER_TENSOR, EBITS, MBITS, BIAS)
+    tl.store(out_ptr + offs, total, mask=offs < n)
+
+
+def accumulate_triton(codes, scales, tensor_scales, n, fmt_name, block_size):
+    """codes (k, bytes), scales (k, nscales), tensor_scales (k,) or None: the fp32 sum of k payloads."""
+    nvfp4 = fmt_name == "nvfp4"
+    qblock = _quant_block(fmt_name, block_size)
+    fmt = FORMATS.get(fmt_name, FORMATS["fp8_e4m3"])
+    out = torch.empty(n, dtype=torch.float32, device=codes.device)
+    if n:
+        block, rows, grid = tile_shape(n, qblock)
+        accumulate_kernel[grid](codes, scales, scales if tensor_scales is None else tensor_scales, out, n,
+                                codes.shape[0], codes.stride(0), scales.stride(0), NVFP4=nvfp4,
+                                PER_TENSOR=block_size is None, ROWS=rows, QBLOCK=qblock,
+                                EBITS=fmt.ebits, MBITS=fmt.mbits, BIAS=fmt.bias)
+    return out
+
+
+# ---------------------------------------------------------------- torch references (the CPU path)
+def encode_torch(y, fmt_name, block_size, seed=0, stochastic=False, amax=None):
+    """Quantize flat fp32 y; amax (with inf for non-finite) may be passed when already known."""
+    if amax is None and (fmt_name == "nvfp4" or block_size is None):
+        amax = y.abs().amax() if y.numel() else torch.zeros((), device=y.device)
+        amax = torch.where(torch.isfinite(amax), amax, float("inf"))
+    if fmt_name == "nvfp4":
+        tensor_scale = nvfp4_tensor_scale_torch(amax).reshape(1)
+        codes, scales = nvfp4_encode_torch(y, tensor_scale, seed, stochastic)
+        return codes, scales, tensor_scale
+    fmt = FORMATS[fmt_name]
+    tensor_scale = tensor_scale_torch(amax, fmt.max) if block_size is None else None
+    codes, scales = fp8_encode_torch(y, fmt, block_size, tensor_scale, seed, stochastic)
+    return codes, scales, None
+
+
+def decode_torch(codes, scales, tensor_scale, n, fmt_name, block_size):
+    if fmt_name == "nvfp4":
+        return nvfp4_decode_torch(codes, scales, tensor_scale, n)
+    return fp8_decode_torch(codes[:n], scales, FORMATS[fmt_name], block_size)
+
+
+def rotate_feedback_quantize_torch(x, residual, fmt_name, block_size, rotation=None, seed=0, stochastic=False):
+    y = hadamard_torch(x, rotation[0], rotation[1]) if rotation else x
+    if residual is not None:
+        y = y + residual
+    codes, scales, tensor_scale = encode_torch(y, fmt_name, block_size, seed, stochastic)
+    if residual is not None:
+        residual.copy_(y - decode_torch(codes, scales, tensor_scale, y.numel(), fmt_name, block_size))
+    return codes, scales, tensor_scale
+
+
+def accumulate_torch(codes, scales, tensor_scales, n, fmt_name, block_size):
+    total = torch.zeros(n, dtype=torch.float32, device=codes.device)
+    for j in range(codes.shape[0]):
+        total += decode_torch(codes[j], scales[j], None if tensor_scales is None else tensor_scales[j],
+                              n, fmt_name, block_size)
+    return total
