@@ -1,0 +1,49 @@
+"""Which implementation runs the codec, and the names the public API accepts.
+
+CUDA tensors run the compiled Triton kernels; CPU tensors run the vectorized torch path (the
+Triton interpreter is 100-1000x slower). `HOROVOD_GIFT_KERNELS=triton` or `use_kernels("triton")`
+forces the kernels for every tensor (tests run them in the interpreter with TRITON_INTERPRET=1);
+`"torch"` forces the torch path.
+"""
+import contextlib
+import os
+
+FORMATS = ("fp8_e4m3", "fp8_e5m2", "nvfp4")
+ROUNDINGS = ("nearest", "stochastic")
+BACKENDS = ("auto", "triton", "torch")
+
+_backend = os.environ.get("HOROVOD_GIFT_KERNELS", "auto")
+if _backend not in BACKENDS:
+    raise ValueError(f"HOROVOD_GIFT_KERNELS={_backend!r}: expected one of {BACKENDS}")
+
+
+def runs_triton(tensor):
+    return _backend == "triton" or (_backend == "auto" and tensor.is_cuda)
+
+
+@contextlib.contextmanager
+def use_kernels(backend="triton"):
+    """Run the codec with `backend` ("auto", "triton" or "torch") inside the block."""
+    global _backend
+    if backend not in BACKENDS:
+        raise ValueError(f"use_kernels({backend!r}): expected one of {BACKENDS}")
+    previous, _backend = _backend, backend
+    try:
+        yield
+    finally:
+        _backend = previous
+
+
+def check_codec(format, block_size, rounding, where="encode"):
+    """Raise ValueError naming the bad argument; returns nothing."""
+    if format not in FORMATS:
+        raise ValueError(f"{where}: unknown format {format!r}; expected one of {FORMATS}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"{where}: unknown rounding {rounding!r}; expected one of {ROUNDINGS}")
+    if format == "nvfp4":
+        if block_size not in (None, 16):
+            raise ValueError(f"{where}: nvfp4 has fixed 16-element blocks; got block_size={block_size!r}")
+    elif block_size is not None and (not isinstance(block_size, int) or block_size < 1
+                                     or block_size & (block_size - 1) or block_size > 4096):
+        raise ValueError(f"{where}: block_size must be None (one scale per tensor) or a power of two "
+                         f"from 1 to 4096; got {block_size!r}")

@@ -1,0 +1,147 @@
+"""Transforms that make a gradient near-isotropic before it is quantized. Both keep the shape,
+are linear, and are identical on every rank, so ranks may sum in the transformed space and map
+back once.
+
+HadamardRotation: u = H D x / sqrt(B) on blocks of the flattened tensor (kernels/hadamard.py).
+
+InputWhitening: the K-FAC input-side factor of an nn.Linear. With A = E[x x^T] of the layer's
+input activations (EMA over batches), A_hat = U_r Lam_r U_r^T + D, where (U_r, Lam_r) are the top
+r eigenpairs of A and D = max(diag(A - U_r Lam_r U_r^T), 0) + damping. Writing V = D^{-1/2} U_r,
+A_hat = D^{1/2} X D^{1/2} with X = I + V Lam_r V^T. With V = Q R (thin QR) and
+R Lam_r R^T = W Sig W^T, X = I + P Sig P^T for the orthonormal P = Q W, so
+X^{+-1/2} = I + P C_+- P^T with C_+- = (1 + Sig)^{+-1/2} - 1. S = D^{1/2} X^{1/2} has S S^T = A_hat;
+    forward:  u = G S^{-T} = (G D^{-1/2}) X^{-1/2}        inverse:  G = u S^T = (u X^{1/2}) D^{1/2}
+each two products of cost O(out * in * r). Whitened activations S^{-1} x have covariance ~ I.
+sqrt="cholesky" (the paper's L = chol(A_hat)) and sqrt="symmetric" (A_hat^{1/2}) are dense,
+O(out * in^2), for comparison in the fidelity benchmark.
+"""
+import torch
+
+from horovod_gift.kernels.hadamard import hadamard_torch, hadamard_triton
+
+from .config import runs_triton
+
+SQUARE_ROOTS = ("lowrank", "cholesky", "symmetric")
+
+
+class HadamardRotation:
+    """Orthonormal randomized Hadamard rotation on blocks of `block_size` (a power of two) of the
+    flattened tensor; a tail shorter than a block is rotated in smaller power-of-two blocks."""
+
+    def __init__(self, block_size=128, seed=0):
+        if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"HadamardRotation: block_size must be a power of two, got {block_size!r}")
+        self.block_size, self.seed = block_size, int(seed)
+
+    def _apply(self, x, inverse):
+        flat = x.detach().reshape(-1).to(torch.float32).contiguous()
+        rotate = hadamard_triton if runs_triton(flat) else hadamard_torch
+        return rotate(flat, self.block_size, self.seed, inverse=inverse).view(x.shape).to(x.dtype)
+
+    def forward(self, x):
+        return self._apply(x, inverse=False)
+
+    def inverse(self, u):
+        return self._apply(u, inverse=True)
+
+    def __repr__(self):
+        return f"HadamardRotation(block_size={self.block_size}, seed={self.seed})"
+
+
+class InputWhitening:
+    """K-FAC input-side whitening of an nn.Linear weight gradient (out_features x in_features)."""
+
+    def __init__(self, in_features, rank=32, damping=1e-3, ema=0.95, sqrt="lowrank"):
+        if sqrt not in SQUARE_ROOTS:
+            raise ValueError(f"InputWhitening: unknown sqrt {sqrt!r}; expected one of {SQUARE_ROOTS}")
+        if not 0 <= ema < 1:
+            raise ValueError(f"InputWhitening: ema must be in [0, 1), got {ema!r}")
+        if damping <= 0:
+            raise ValueError(f"InputWhitening: damping must be positive, got {damping!r}")
+        self.in_features, self.rank = int(in_features), min(int(rank), int(in_features))
+        self.damping, self.ema, self.sqrt = float(damping), float(ema), sqrt
+        self.covariance = None     # EMA of E[x x^T], fp64
+        self.updates = 0
+        self.factors = None        # set by refresh(); identity until the first update
+
+    # ---------------------------------------------------------------- statistics
+    def update(self, activations):
+        """Fold a (tokens, in_features) batch (any leading dims) into the EMA of E[x x^T]."""
+        x = activations.detach().reshape(-1, activations.shape[-1])
+        if x.shape[1] != self.in_features:
+            raise ValueError(f"InputWhitening.update: activations have {x.shape[1]} features, "
+                             f"expected {self.in_features}")
+        x = x.to(torch.float64)
+        batch = x.t() @ x / max(1, x.shape[0])
+        self.set_covariance(batch if self.covariance is None else self.ema * self.covariance + (1 - self.ema) * batch)
+
+    def set_covariance(self, covariance):
+        """Replace the statistic (e.g. by its average over ranks) and recompute the factors."""
+        self.covariance = covariance.to(torch.float64)
+        self.updates += 1
+        self.refresh()
+
+    def refresh(self):
+        a = self.covariance
+        lam, vec = torch.linalg.eigh(a)
+        lam, vec = lam[-self.rank:].clamp_min(0), vec[:, -self.rank:]
+        d = (torch.diagonal(a) - (vec * vec) @ lam).clamp_min(0) + self.damping
+        if self.sqrt == "lowrank":
+            v = vec / d.sqrt()[:, None]
+            q, r = torch.linalg.qr(v)
+            sig, w = torch.linalg.eigh((r * lam) @ r.t())
+            sig = sig.clamp_min(0)
+            p = q @ w
+            self.factors = {"d_sqrt": d.sqrt().float(), "p": p.float(),
+                            "c_minus": ((1 + sig).rsqrt() - 1).float(), "c_plus": ((1 + sig).sqrt() - 1).float()}
+        else:
+            a_hat = (vec * lam) @ vec.t() + torch.diag(d)
+            if self.sqrt == "cholesky":
+                s = torch.linalg.cholesky(a_hat)
+            else:
+                e, u = torch.linalg.eigh(a_hat)
+                s = (u * e.clamp_min(0).sqrt()) @ u.t()
+            self.factors = {"s": s.float(), "s_inv": torch.linalg.inv(s).float()}
+
+    # ---------------------------------------------------------------- the map
+    def _check(self, g, what):
+        if g.dim() != 2 or g.shape[1] != self.in_features:
+            raise ValueError(f"InputWhitening.{what}: expected a (out, {self.in_features}) tensor, got {tuple(g.shape)}")
+
+    def forward(self, g):
+        """u = G S^{-T}."""
+        self._check(g, "forward")
+        if self.factors is None:
+            return g.clone()
+        f, y = self.factors, g.to(torch.float32)
+        if self.sqrt == "lowrank":
+            y = y / f["d_sqrt"]
+            y = y + ((y @ f["p"]) * f["c_minus"]) @ f["p"].t()
+        else:
+            y = y @ f["s_inv"].t()
+        return y.to(g.dtype)
+
+    def inverse(self, u):
+        """G = u S^T."""
+        self._check(u, "inverse")
+        if self.factors is None:
+            return u.clone()
+        f, y = self.factors, u.to(torch.float32)
+        if self.sqrt == "lowrank":
+            y = (y + ((y @ f["p"]) * f["c_plus"]) @ f["p"].t()) * f["d_sqrt"]
+        else:
+            y = y @ f["s"].t()
+        return y.to(u.dtype)
+
+    def whiten_activations(self, x):
+        """S^{-1} x for each row x of a (tokens, in_features) batch: covariance ~ I after whitening."""
+        return self.forward(x)
+
+    def state_dict(self):
+        return {"covariance": self.covariance, "updates": self.updates}
+
+    def load_state_dict(self, state):
+        self.covariance, self.updates = state["covariance"], state["updates"]
+        self.factors = None
+        if self.covariance is not None:
+            self.refresh()

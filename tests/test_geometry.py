@@ -1,0 +1,105 @@
+"""HadamardRotation and InputWhitening: exact inverses, orthonormality, whitening."""
+import pytest
+import torch
+
+import horovod_gift as gift
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("shape", [(), (1,), (15,), (17,), (3, 37), (128,), (300, 129)])
+def test_rotation_is_invertible_and_keeps_the_norm(backend, shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    rotation = gift.HadamardRotation(block_size=128, seed=3)
+    with gift.use_kernels(backend):
+        u = rotation.forward(x)
+        back = rotation.inverse(u)
+    assert u.shape == x.shape and back.shape == x.shape
+    assert torch.allclose(back, x, atol=1e-6, rtol=1e-5)
+    assert torch.allclose(u.norm(), x.norm(), rtol=1e-5)
+
+
+def test_rotation_is_orthonormal_matrix_at_awkward_sizes():
+    for n in (1, 7, 37, 200):
+        rotation = gift.HadamardRotation(block_size=16, seed=1)
+        m = torch.stack([rotation.forward(e) for e in torch.eye(n)], dim=1).double()
+        assert torch.allclose(m.t() @ m, torch.eye(n, dtype=torch.float64), atol=1e-6)
+        if n >= 16:
+            assert (m[:16, :16].abs() > 0.2).all(), "a 16-block is not mixed"
+
+
+def test_rotation_depends_on_seed_and_spreads_a_spike():
+    x = torch.zeros(256)
+    x[5] = 1.0
+    a = gift.HadamardRotation(128, seed=0).forward(x)
+    y = torch.randn(256)
+    assert not torch.equal(gift.HadamardRotation(128, seed=0).forward(y), gift.HadamardRotation(128, seed=1).forward(y))
+    assert torch.allclose(a[:128].abs(), torch.full((128,), 128 ** -0.5))
+    with pytest.raises(ValueError, match="power of two"):
+        gift.HadamardRotation(block_size=100)
+
+
+def spiked_activations(n_in=96, rank=8, tokens=100_000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(n_in, rank, generator=g)
+    diag = torch.rand(n_in, generator=g) + 0.1
+    return torch.randn(tokens, rank, generator=g) @ u.t() * 3 + torch.randn(tokens, n_in, generator=g) * diag.sqrt()
+
+
+def covariance(x):
+    return (x.t().double() @ x.double()) / len(x)
+
+
+def test_whitening_with_full_rank_gives_identity_covariance():
+    x = spiked_activations()
+    w = gift.InputWhitening(96, rank=96, damping=1e-6)
+    w.update(x)
+    c = covariance(w.whiten_activations(x))
+    assert torch.allclose(c, torch.eye(96, dtype=torch.float64), atol=2e-3)
+
+
+@pytest.mark.parametrize("sqrt", ["lowrank", "cholesky", "symmetric"])
+def test_low_rank_whitening_flattens_the_spectrum(sqrt):
+    x = spiked_activations()
+    before = torch.linalg.cond(covariance(x))
+    w = gift.InputWhitening(96, rank=8, damping=1e-3, sqrt=sqrt)
+    w.update(x)
+    after = torch.linalg.cond(covariance(w.whiten_activations(x)))
+    assert before > 1000 and after < 2.5
+
+
+def test_square_roots_agree_on_the_whitened_spectrum():
+    """S S^T = A_hat for every square root, so S^{-1} A S^{-T} has the same eigenvalues."""
+    x = spiked_activations(n_in=48, tokens=20_000)
+    spectra = []
+    for sqrt in ("lowrank", "cholesky", "symmetric"):
+        w = gift.InputWhitening(48, rank=8, damping=1e-3, sqrt=sqrt)
+        w.update(x)
+        spectra.append(torch.linalg.eigvalsh(covariance(w.whiten_activations(x))))
+    assert torch.allclose(spectra[0], spectra[1], rtol=1e-3) and torch.allclose(spectra[0], spectra[2], rtol=1e-3)
+
+
+@pytest.mark.parametrize("sqrt", ["lowrank", "cholesky", "symmetric"])
+def test_whitening_inverse_undoes_forward(sqrt):
+    w = gift.InputWhitening(64, rank=16, sqrt=sqrt)
+    g = torch.randn(10, 64)
+    assert torch.equal(w.inverse(w.forward(g)), g), "before any update the map is the identity"
+    w.update(spiked_activations(n_in=64, tokens=5000))
+    u = w.forward(g)
+    assert u.shape == g.shape and not torch.allclose(u, g)
+    assert torch.allclose(w.inverse(u), g, atol=1e-4, rtol=1e-4)
+
+
+def test_whitening_statistic_is_an_ema_and_checks_shapes():
+    w = gift.InputWhitening(4, rank=2, ema=0.5)
+    a, b = torch.randn(100, 4), torch.randn(100, 4) * 3
+    w.update(a)
+    w.update(b)
+    assert torch.allclose(w.covariance, 0.5 * covariance(a) + 0.5 * covariance(b))
+    with pytest.raises(ValueError, match="activations have 5 features, expected 4"):
+        w.update(torch.randn(3, 5))
+    with pytest.raises(ValueError, match=r"expected a \(out, 4\) tensor"):
+        w.forward(torch.randn(4, 3))
+    restored = gift.InputWhitening(4, rank=2, ema=0.5)
+    restored.load_state_dict(w.state_dict())
+    g = torch.randn(3, 4)
+    assert torch.equal(restored.forward(g), w.forward(g))

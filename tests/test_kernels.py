@@ -1,0 +1,96 @@
+"""Every kernel against its plain-torch reference, bit for bit, in the Triton interpreter."""
+import pytest
+import torch
+
+from horovod_gift.kernels import fp8, fused, hadamard, nvfp4
+
+SIZES = [1, 15, 17, 1000, 100_003]
+FP8_CASES = [("fp8_e4m3", None), ("fp8_e4m3", 32), ("fp8_e5m2", None), ("fp8_e5m2", 16)]
+
+
+def bits(t):
+    return None if t is None else t.contiguous().view(torch.uint8)
+
+
+def assert_same_bits(a, b, what):
+    assert (a is None) == (b is None), what
+    if a is not None:
+        assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+        mismatches = int((bits(a) != bits(b)).sum())
+        assert mismatches == 0, f"{what}: {mismatches} bytes differ"
+
+
+def sample(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(2 * torch.randn(n, generator=g))   # heavy-tailed magnitudes
+    specials = torch.tensor([0.0, -0.0, 1e-30, -3e-8, 448.0, 57344.0, 1e4, -6.0])
+    x[: min(n, len(specials))] = specials[: min(n, len(specials))]
+    return x
+
+
+@pytest.mark.parametrize("fmt,block", FP8_CASES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_fp8_encode_decode(fmt, block, n, stochastic):
+    x, spec = sample(n), fp8.FORMATS[fmt]
+    scale = fp8.tensor_scale_torch(x.abs().amax(), spec.max) if block is None else None
+    ref = fp8.fp8_encode_torch(x, spec, block, scale, seed=5, stochastic=stochastic)
+    out = fp8.fp8_encode_triton(x, spec, block, scale, seed=5, stochastic=stochastic)
+    assert_same_bits(ref[0], out[0], "codes")
+    assert_same_bits(ref[1], out[1], "scales")
+    assert_same_bits(fp8.fp8_decode_torch(*ref, spec, block), fp8.fp8_decode_triton(*ref, spec, block), "decoded")
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_nvfp4_encode_decode(n, stochastic):
+    x = sample(n, seed=1)
+    scale = nvfp4.nvfp4_tensor_scale_torch(x.abs().amax()).reshape(1)
+    ref = nvfp4.nvfp4_encode_torch(x, scale, seed=3, stochastic=stochastic)
+    out = nvfp4.nvfp4_encode_triton(x, scale, seed=3, stochastic=stochastic)
+    assert_same_bits(ref[0], out[0], "packed codes")
+    assert_same_bits(ref[1], out[1], "block scales")
+    assert_same_bits(nvfp4.nvfp4_decode_torch(*ref, scale, n), nvfp4.nvfp4_decode_triton(*ref, scale, n), "decoded")
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("block", [16, 128])
+def test_hadamard_forward_and_inverse(n, block):
+    x = sample(n, seed=2)
+    y = hadamard.hadamard_torch(x, block, seed=11)
+    assert_same_bits(y, hadamard.hadamard_triton(x, block, seed=11), "rotated")
+    back = hadamard.hadamard_torch(y, block, seed=11, inverse=True)
+    assert_same_bits(back, hadamard.hadamard_triton(y, block, seed=11, inverse=True), "rotated back")
+
+
+# The fused kernel rotates whole blocks only (formats.quantize rotates a tail first), so sizes
+# with a rotation are multiples of its block.
+FUSED_SHAPES = [(n, None) for n in (1, 17, 4096 + 128, 100_096)] + [
+    (n, rotation) for rotation in ((128, 4), (16, 9)) for n in (4096 + 128, 100_096)]
+
+
+@pytest.mark.parametrize("fmt,block", FP8_CASES + [("nvfp4", None)])
+@pytest.mark.parametrize("n,rotation", FUSED_SHAPES)
+def test_fused_rotate_feedback_quantize(fmt, block, n, rotation):
+    x = sample(n, seed=3)
+    r_ref = torch.randn(n, generator=torch.Generator().manual_seed(4)) * 0.01
+    r_out = r_ref.clone()
+    ref = fused.rotate_feedback_quantize_torch(x, r_ref, fmt, block, rotation, seed=6, stochastic=True)
+    out = fused.rotate_feedback_quantize_triton(x, r_out, fmt, block, rotation, seed=6, stochastic=True)
+    for name, a, b in zip(("codes", "scales", "tensor scale"), ref, out):
+        assert_same_bits(a, b, name)
+    assert_same_bits(r_ref, r_out, "updated residual")
+
+
+@pytest.mark.parametrize("fmt,block", FP8_CASES + [("nvfp4", None)])
+@pytest.mark.parametrize("n", [1, 17, 10_000])
+def test_accumulate(fmt, block, n):
+    payloads = [fused.rotate_feedback_quantize_torch(sample(n, seed=10 + k), None, fmt, block) for k in range(3)]
+    codes = torch.stack([p[0] for p in payloads])
+    scales = torch.stack([p[1] for p in payloads])
+    tensor_scales = None if payloads[0][2] is None else torch.cat([p[2] for p in payloads])
+    ref = fused.accumulate_torch(codes, scales, tensor_scales, n, fmt, block)
+    assert_same_bits(ref, fused.accumulate_triton(codes, scales, tensor_scales, n, fmt, block), "sum")
+    decoded = [fused.decode_torch(p[0], p[1], p[2], n, fmt, block).double() for p in payloads]
+    exact, magnitude = sum(decoded), sum(d.abs() for d in decoded)
+    assert bool(((ref.double() - exact).abs() <= 2 ** -22 * magnitude).all()), "not the fp32 sum of the payloads"
