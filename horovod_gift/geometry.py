@@ -17,9 +17,7 @@ O(out * in^2), for comparison in the fidelity benchmark.
 """
 import torch
 
-from horovod_gift.kernels.hadamard import hadamard_torch, hadamard_triton
-
-from .config import runs_triton
+from .formats import rotate
 
 SQUARE_ROOTS = ("lowrank", "cholesky", "symmetric")
 
@@ -35,8 +33,7 @@ class HadamardRotation:
 
     def _apply(self, x, inverse):
         flat = x.detach().reshape(-1).to(torch.float32).contiguous()
-        rotate = hadamard_triton if runs_triton(flat) else hadamard_torch
-        return rotate(flat, self.block_size, self.seed, inverse=inverse).view(x.shape).to(x.dtype)
+        return rotate(flat, (self.block_size, self.seed), inverse).view(x.shape).to(x.dtype)
 
     def forward(self, x):
         return self._apply(x, inverse=False)

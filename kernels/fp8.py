@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .rounding import (E4M3, E5M2, FloatFormat, decode_float, encode_float,
-                       encode_float_torch, is_nonfinite, is_nonfinite_torch, uniform_hash,
+                       encode_float_torch, is_nonfinite, uniform_hash,
                        uniform_hash_torch)
 
 NAN_BITS = tl.constexpr(0x7FC00000)
@@ -113,35 +113,31 @@ def tensor_scale_torch(amax, fmax):
     return torch.where(torch.isfinite(amax), amax / fmax, torch.full_like(amax, float("nan")))
 
 
-def fp8_scales_torch(x, fmt: FloatFormat, block_size):
-    """Per-block scales of flat fp32 x (the last block may be partial)."""
-    n = x.numel()
-    nblocks = -(-n // block_size)
-    padded = torch.nn.functional.pad(x, (0, nblocks * block_size - n)).view(nblocks, block_size)
-    amax = padded.abs().amax(dim=1)
-    bad = is_nonfinite_torch(padded).any(dim=1)
-    return torch.where(bad, torch.full_like(amax, float("nan")), amax / fmt.max)
-
-
-def _expand(scales, n, block_size):
-    return scales.expand(n) if block_size is None else scales.repeat_interleave(block_size)[:n]
-
-
 def fp8_encode_torch(x, fmt: FloatFormat, block_size, tensor_scale=None, seed=0, stochastic=False):
     n = x.numel()
-    scales = tensor_scale.reshape(1).to(torch.float32) if block_size is None else fp8_scales_torch(x, fmt, block_size)
-    s = _expand(scales, n, block_size)
+    if block_size is None:
+        scales, blocks = tensor_scale.reshape(1).to(torch.float32), x.view(1, n)
+    else:
+        nblocks = -(-n // block_size)
+        blocks = torch.nn.functional.pad(x, (0, nblocks * block_size - n)).view(nblocks, block_size)
+        bad = ~torch.isfinite(blocks).all(dim=1)
+        scales = torch.where(bad, torch.full_like(blocks[:, 0], float("nan")), blocks.abs().amax(dim=1) / fmt.max)
+    s = scales[:, None]
     usable = (s > 0) & (s < float("inf"))
-    v = torch.where(usable, x / torch.where(usable, s, 1.0), 0.0)
+    v = torch.where(usable, blocks / torch.where(usable, s, 1.0), 0.0)
     if stochastic:
-        codes = encode_float_torch(v, fmt, uniform_hash_torch(seed, torch.arange(n, device=x.device)))
-        return codes.to(torch.uint8), scales
+        codes = encode_float_torch(v, fmt, uniform_hash_torch(seed, torch.arange(v.numel(), device=x.device)).view_as(v))
+        return codes.to(torch.uint8).reshape(-1)[:n], scales
     # round-to-nearest-even with saturation is exactly torch's own cast after clamping
     dtype = torch.float8_e4m3fn if fmt is E4M3 else torch.float8_e5m2
-    codes = v.clamp(-fmt.max, fmt.max).to(dtype).view(torch.uint8)
-    return codes.masked_fill_(codes == 0x80, 0), scales  # no negative zero
+    codes = v.clamp(-fmt.max, fmt.max).to(dtype).view(torch.uint8).reshape(-1)[:n]
+    return torch.where(codes == 0x80, 0, codes), scales  # no negative zero
 
 
 def fp8_decode_torch(codes, scales, fmt: FloatFormat, block_size):
     values = codes.view(torch.float8_e4m3fn if fmt is E4M3 else torch.float8_e5m2).to(torch.float32)
-    return values * _expand(scales, codes.numel(), block_size)
+    if block_size is None:
+        return values * scales
+    n, nblocks = codes.numel(), scales.numel()
+    values = torch.nn.functional.pad(values, (0, nblocks * block_size - n)).view(nblocks, block_size)
+    return (values * scales[:, None]).reshape(-1)[:n]

@@ -93,14 +93,16 @@ def random_signs_torch(seed, start, length, device):
     return torch.where(u < 0.5, -1.0, 1.0)
 
 
-def hadamard_torch(x, block, seed, inverse=False):
+def hadamard_torch(x, block, seed, inverse=False, signs=None):
+    """signs: random_signs_torch(seed, 0, x.numel()) when the caller already has them."""
+    if signs is None:
+        signs = random_signs_torch(seed, 0, x.numel(), x.device)
     out = torch.empty_like(x)
     for start, length, b in segments(x.numel(), block):
-        piece = x[start:start + length]
-        signs = random_signs_torch(seed, start, length, x.device)
+        piece, piece_signs = x[start:start + length], signs[start:start + length]
         if inverse:
-            y = hadamard_rows_torch(piece.view(-1, b)).reshape(-1) * normalizer(b) * signs
+            y = hadamard_rows_torch(piece.view(-1, b)).reshape(-1) * normalizer(b) * piece_signs
         else:
-            y = hadamard_rows_torch((piece * signs).view(-1, b)).reshape(-1) * normalizer(b)
+            y = hadamard_rows_torch((piece * piece_signs).view(-1, b)).reshape(-1) * normalizer(b)
         out[start:start + length] = y
     return out

@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import E2M1, E4M3, decode_float, decode_table, encode_float, encode_float_torch, uniform_hash, uniform_hash_torch
+from .rounding import (E2M1, E4M3, decode_e2m1_torch, decode_float, encode_float, encode_float_torch, round_e2m1_nearest_torch,
+                       uniform_hash, uniform_hash_torch)
 
 BLOCK = 16
 TENSOR_SCALE_DIVISOR = E2M1.max * E4M3.max   # 2688
@@ -120,20 +121,20 @@ def nvfp4_encode_torch(x, tensor_scale, seed=0, stochastic=False):
     ratio = torch.where(t_usable, blocks.abs().amax(dim=1) / (tensor_scale * 6.0), 0.0)
     scale_codes = ratio.clamp_max(E4M3.max).to(torch.float8_e4m3fn).view(torch.uint8)
     denom = nvfp4_block_denominators(scale_codes, tensor_scale)
-    usable = ((denom > 0) & (denom < float("inf")))[:, None]
-    v = torch.where(usable, blocks / torch.where(usable, denom[:, None], 1.0), 0.0)
-    noise = uniform_hash_torch(seed, torch.arange(v.numel(), device=x.device)).view_as(v) if stochastic else None
-    codes = encode_float_torch(v, E2M1, noise)
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).reshape(-1)[: (n + 1) // 2]
-    return packed, scale_codes
-
-
-_E2M1_VALUES = decode_table(E2M1)
+    # dividing by inf gives the kernel's zeros for unusable blocks with no full-size mask
+    v = blocks / torch.where((denom > 0) & (denom < float("inf")), denom, float("inf"))[:, None]
+    if stochastic:
+        v = torch.nan_to_num(v, nan=0.0)     # non-finite only where the tensor scale is unusable
+        codes = encode_float_torch(v, E2M1, uniform_hash_torch(seed, torch.arange(v.numel(), device=x.device)).view_as(v))
+    else:
+        codes = round_e2m1_nearest_torch(v)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).reshape(-1)
+    return (packed if n % 32 == 0 else packed[: (n + 1) // 2]), scale_codes
 
 
 def nvfp4_decode_torch(packed, scale_codes, tensor_scale, n):
-    codes = torch.stack((packed & 15, packed >> 4), dim=1).reshape(-1)
+    codes = torch.stack((packed & 15, packed >> 4), dim=1).reshape(-1).to(torch.int32)  # uint8 compares are slow in Inductor
     codes = torch.nn.functional.pad(codes, (0, scale_codes.numel() * BLOCK - codes.numel()))
-    values = _E2M1_VALUES.to(packed.device)[codes.long()].view(-1, BLOCK)
+    values = decode_e2m1_torch(codes).view(-1, BLOCK)
     denom = nvfp4_block_denominators(scale_codes, tensor_scale.to(torch.float32).reshape(()))
     return (values * denom[:, None]).reshape(-1)[:n]

@@ -121,10 +121,6 @@ def uniform_hash_torch(seed, index):
     return (h >> 8).to(torch.float32) * 5.9604644775390625e-08
 
 
-def is_nonfinite_torch(x):
-    return ((x.view(torch.int32) >> 23) & 0xFF) == 0xFF
-
-
 def encode_float_torch(v, fmt: FloatFormat, noise=None):
     """Codes (int32) of finite fp32 values v: the twin of `encode_float`."""
     bits = v.view(torch.int32)
@@ -144,6 +140,25 @@ def encode_float_torch(v, fmt: FloatFormat, noise=None):
     subnormal = (q * 2.0 ** (fmt.mbits - fmt.emin)).to(torch.int32)
     code = torch.where(qe >= fmt.emin, normal, subnormal)
     return torch.where(code == 0, 0, code | (sign << (fmt.ebits + fmt.mbits)))
+
+
+def round_e2m1_nearest_torch(v):
+    """E2M1 codes of finite v, round to nearest even and saturate, by comparisons alone (no bit
+    casts, which torch.compile's CPU backend mis-vectorizes). Equal to encode_float_torch(v, E2M1)."""
+    a = v.abs()
+    code = ((a > 0.25).to(torch.int32) + (a >= 0.75).to(torch.int32) + (a > 1.25).to(torch.int32)
+            + (a >= 1.75).to(torch.int32) + (a > 2.5).to(torch.int32) + (a >= 3.5).to(torch.int32)
+            + (a > 5.0).to(torch.int32))
+    return torch.where((v < 0) & (code > 0), code + 8, code)
+
+
+def decode_e2m1_torch(code):
+    """Values of E2M1 codes by comparisons alone (see round_e2m1_nearest_torch)."""
+    m = code & 7
+    value = 0.5 * ((m >= 1).to(torch.float32) + (m >= 2).to(torch.float32) + (m >= 3).to(torch.float32)
+                   + (m >= 4).to(torch.float32)) + (m >= 5).to(torch.float32) + (m >= 6).to(torch.float32) \
+        + 2.0 * (m >= 7).to(torch.float32)
+    return torch.where(code >= 8, -value, value)
 
 
 def decode_table(fmt: FloatFormat):

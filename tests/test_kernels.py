@@ -94,3 +94,10 @@ def test_accumulate(fmt, block, n):
     decoded = [fused.decode_torch(p[0], p[1], p[2], n, fmt, block).double() for p in payloads]
     exact, magnitude = sum(decoded), sum(d.abs() for d in decoded)
     assert bool(((ref.double() - exact).abs() <= 2 ** -22 * magnitude).all()), "not the fp32 sum of the payloads"
+
+
+def test_e2m1_comparison_rounding_equals_exact_arithmetic():
+    from horovod_gift.kernels.rounding import E2M1, encode_float_torch, round_e2m1_nearest_torch
+    grid = torch.arange(-7.0, 7.0, 2.0 ** -6)              # every tie and every step, both signs
+    v = torch.cat([grid, torch.tensor([0.0, -0.0, 1e-30, 6.0001, 1e30, -1e30])])
+    assert torch.equal(round_e2m1_nearest_torch(v), encode_float_torch(v, E2M1))
