@@ -133,3 +133,9 @@ def decode(enc: Encoded):
     """The tensor enc stands for, in its original shape and dtype."""
     values = dequantize(enc.codes, enc.scales, enc.tensor_scale, enc.numel, enc.format, enc.block_size)
     return values.view(enc.shape).to(enc.dtype)
+
+
+def accumulate(codes, scales, tensor_scales, n, format, block_size=None):
+    """fp32 sum, in order, of k payloads of n elements each: codes (k, bytes), scales (k, ...)."""
+    impl = fused.accumulate_triton if runs_triton(codes) else fused.accumulate_torch
+    return impl(codes, scales, tensor_scales, n, format, block_size)

@@ -72,11 +72,32 @@ class InputWhitening:
         batch = x.t() @ x / max(1, x.shape[0])
         self.set_covariance(batch if self.covariance is None else self.ema * self.covariance + (1 - self.ema) * batch)
 
-    def set_covariance(self, covariance):
-        """Replace the statistic (e.g. by its average over ranks) and recompute the factors."""
+    def set_covariance(self, covariance, refresh=True):
+        """Replace the statistic (e.g. by its average over ranks); recompute the factors unless told
+        not to (another rank computes them and broadcasts them: see factors_to_tensor)."""
         self.covariance = covariance.to(torch.float64)
         self.updates += 1
-        self.refresh()
+        if refresh:
+            self.refresh()
+
+    def blend(self, batch_covariance):
+        """The EMA of the statistic with a new batch covariance, without storing it."""
+        if self.covariance is None:
+            return batch_covariance.to(torch.float64)
+        return self.ema * self.covariance + (1 - self.ema) * batch_covariance.to(torch.float64)
+
+    def factor_numel(self):
+        return self.in_features * (self.rank + 1) + 2 * self.rank
+
+    def factors_to_tensor(self):
+        """The low-rank factors as one flat fp32 tensor, for a broadcast."""
+        f = self.factors
+        return torch.cat([f["d_sqrt"], f["p"].reshape(-1), f["c_minus"], f["c_plus"]])
+
+    def factors_from_tensor(self, flat):
+        n, r = self.in_features, self.rank
+        d_sqrt, p, c_minus, c_plus = torch.split(flat.to(torch.float32), [n, n * r, r, r])
+        return {"d_sqrt": d_sqrt.clone(), "p": p.reshape(n, r).clone(), "c_minus": c_minus.clone(), "c_plus": c_plus.clone()}
 
     def refresh(self):
         a = self.covariance
@@ -105,12 +126,13 @@ class InputWhitening:
         if g.dim() != 2 or g.shape[1] != self.in_features:
             raise ValueError(f"InputWhitening.{what}: expected a (out, {self.in_features}) tensor, got {tuple(g.shape)}")
 
-    def forward(self, g):
-        """u = G S^{-T}."""
+    def forward(self, g, factors=None):
+        """u = G S^{-T} (with the given factors, or the current ones)."""
         self._check(g, "forward")
-        if self.factors is None:
+        f = self.factors if factors is None else factors
+        if f is None:
             return g.clone()
-        f, y = self.factors, g.to(torch.float32)
+        y = g.to(torch.float32)
         if self.sqrt == "lowrank":
             y = y / f["d_sqrt"]
             y = y + ((y @ f["p"]) * f["c_minus"]) @ f["p"].t()
@@ -118,12 +140,13 @@ class InputWhitening:
             y = y @ f["s_inv"].t()
         return y.to(g.dtype)
 
-    def inverse(self, u):
-        """G = u S^T."""
+    def inverse(self, u, factors=None):
+        """G = u S^T (with the given factors, or the current ones)."""
         self._check(u, "inverse")
-        if self.factors is None:
+        f = self.factors if factors is None else factors
+        if f is None:
             return u.clone()
-        f, y = self.factors, u.to(torch.float32)
+        y = u.to(torch.float32)
         if self.sqrt == "lowrank":
             y = (y + ((y @ f["p"]) * f["c_plus"]) @ f["p"].t()) * f["d_sqrt"]
         else:
@@ -135,10 +158,8 @@ class InputWhitening:
         return self.forward(x)
 
     def state_dict(self):
-        return {"covariance": self.covariance, "updates": self.updates}
+        return {"covariance": self.covariance, "updates": self.updates, "factors": self.factors}
 
     def load_state_dict(self, state):
-        self.covariance, self.updates = state["covariance"], state["updates"]
-        self.factors = None
-        if self.covariance is not None:
-            self.refresh()
+        """Restores the factors as saved (not recomputed), so a resumed run continues bit for bit."""
+        self.covariance, self.updates, self.factors = state["covariance"], state["updates"], state["factors"]

@@ -1,0 +1,184 @@
+"""The quantized allreduce: a reduce-scatter and an allgather of FP8/NVFP4 bytes, summed in fp32.
+
+For a bucket of flat fp32 tensors u_1..u_m (already in the transformed space) on n ranks:
+  1. The bucket is cut into n chunks; rank k owns chunk k. Every rank quantizes each piece
+     (a tensor's part of a chunk) with its own stage-1 residual r1 (error feedback) and sends
+     chunk k's bytes to rank k: one alltoall of uint8 (a reduce-scatter).
+  2. The owner decodes the n payloads of each piece and sums them in fp32 in rank order 0..n-1
+     (an average divides by n), adds its stage-2 residual r2, quantizes again, and the owners'
+     bytes go to every rank: one allgather of uint8.
+  3. Every rank decodes the same bytes with the same scales: results are bit-identical.
+No FP8 arithmetic sums (no overflow), and no scale is ever local to one rank (no drift). Each
+piece has its own scales, so a non-finite tensor poisons only itself.
+Bytes sent per rank: 2 (n-1)/n * elements * bits/8 plus the scales.
+"""
+import pickle
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import horovod.torch as hvd
+
+from .config import check_codec
+from .formats import accumulate, dequantize, quantize
+
+
+@dataclass(frozen=True)
+class Codec:
+    format: str = "nvfp4"
+    block_size: Optional[int] = None
+    rounding: str = "nearest"
+    seed: int = 0
+
+    def __post_init__(self):
+        check_codec(self.format, self.block_size, self.rounding, where="Codec")
+
+    @property
+    def align(self):
+        """Chunk boundaries fall on multiples of this, so no scale block straddles two owners."""
+        return 32 if self.format == "nvfp4" else max(32, self.block_size or 1)
+
+    def layout(self, m):
+        """Byte sizes (codes, scales, tensor scale) of an m-element piece."""
+        if self.format == "nvfp4":
+            return (m + 1) // 2, -(-m // 16), 4
+        return m, 4 * (1 if self.block_size is None else -(-m // self.block_size)), 0
+
+    def payload_bytes(self, m):
+        return sum(self.layout(m)) if m else 0
+
+    def encode(self, flat, residual=None, seed=0):
+        """flat fp32 -> uint8 payload; residual (same size) is updated in place."""
+        if flat.numel() == 0:
+            return torch.empty(0, dtype=torch.uint8, device=flat.device)
+        codes, scales, tensor_scale = quantize(flat, self.format, self.block_size, self.rounding == "stochastic",
+                                               seed, residual)
+        parts = [codes, scales.reshape(-1).view(torch.uint8)]
+        if tensor_scale is not None:
+            parts.append(tensor_scale.reshape(-1).view(torch.uint8))
+        return torch.cat(parts)
+
+    def split(self, payload, m):
+        """(codes, scales, tensor_scale) views of a payload of an m-element piece."""
+        c, s, t = self.layout(m)
+        codes = payload[:c]
+        # pieces start at any byte offset; fp32 views need 4-byte alignment, hence the copies
+        if self.format == "nvfp4":
+            return codes, payload[c:c + s], payload[c + s:c + s + t].clone().view(torch.float32)
+        return codes, payload[c:c + s].clone().view(torch.float32), None
+
+    def decode(self, payload, m):
+        if m == 0:
+            return torch.empty(0, dtype=torch.float32, device=payload.device)
+        return dequantize(*self.split(payload, m), m, self.format, self.block_size)
+
+
+def chunk_bounds(total, n, align):
+    """n contiguous [start, end) ranges covering total elements, boundaries on multiples of align."""
+    units = -(-total // align)
+    per, extra = divmod(units, n)
+    bounds, start = [], 0
+    for k in range(n):
+        end = min(total, start + (per + (k < extra)) * align)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def mix_seed(*values):
+    """A 31-bit seed from integers, the same in every process (hash of an int tuple is not salted)."""
+    return hash(tuple(values)) & 0x7FFFFFFF
+
+
+class BucketReduction:
+    """One quantized reduction of a list of flat fp32 tensors: start() -> exchange() -> finish()."""
+
+    def __init__(self, name, flats, codec, process_set=hvd.global_process_set, residual1=None, residual2=None,
+                 average=True, step=0):
+        self.name, self.flats, self.codec, self.process_set = name, flats, codec, process_set
+        self.residual1, self.residual2, self.average, self.step = residual1, residual2, average, step
+        self.n, self.rank = process_set.size(), process_set.rank()
+        offsets = [0]
+        for f in flats:
+            offsets.append(offsets[-1] + f.numel())
+        self.total = offsets[-1]
+        # pieces[k]: (tensor index, lo, hi) in that tensor's coordinates, for chunk k
+        self.pieces = []
+        for start, end in chunk_bounds(self.total, self.n, codec.align):
+            self.pieces.append([(i, max(start, offsets[i]) - offsets[i], min(end, offsets[i + 1]) - offsets[i])
+                                for i in range(len(flats)) if max(start, offsets[i]) < min(end, offsets[i + 1])])
+        self.owned = sum(hi - lo for _, lo, hi in self.pieces[self.rank])
+        self.bytes_sent = 0
+
+    def start(self):
+        payloads = []
+        for k, chunk in enumerate(self.pieces):
+            parts = [self.codec.encode(self.flats[i][lo:hi],
+                                       None if self.residual1 is None else self.residual1[i][lo:hi],
+                                       mix_seed(self.codec.seed, self.step, self.rank, k, i, 1))
+                     for i, lo, hi in chunk]
+            payloads.append(torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8))
+        splits = torch.tensor([p.numel() for p in payloads], dtype=torch.int32)
+        self.bytes_sent += int(splits.sum()) - int(splits[self.rank])
+        self._handle = hvd.alltoall_async(torch.cat(payloads), splits=splits, name=f"{self.name}.reduce_scatter",
+                                          process_set=self.process_set)
+        return self
+
+    def exchange(self):
+        received, received_splits = hvd.synchronize(self._handle)
+        sources = torch.split(received, received_splits.tolist())
+        parts, offset, position = [], 0, 0
+        for i, lo, hi in self.pieces[self.rank]:
+            m = hi - lo
+            size = self.codec.payload_bytes(m)
+            pieces = [self.codec.split(src[position:position + size], m) for src in sources]
+            position += size
+            total = accumulate(torch.stack([p[0] for p in pieces]), torch.stack([p[1] for p in pieces]),
+                               None if pieces[0][2] is None else torch.cat([p[2] for p in pieces]),
+                               m, self.codec.format, self.codec.block_size)
+            if self.average:
+                total = total / self.n
+            residual = None if self.residual2 is None else self.residual2[offset:offset + m]
+            parts.append(self.codec.encode(total, residual, mix_seed(self.codec.seed, self.step, self.rank, i, 2)))
+            offset += m
+        mine = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+        self.bytes_sent += mine.numel() * (self.n - 1)
+        self._handle = hvd.allgather_async(mine, name=f"{self.name}.allgather", process_set=self.process_set)
+        return self
+
+    def finish(self):
+        """The reduced tensors, flat fp32, identical on every rank."""
+        gathered = hvd.synchronize(self._handle)
+        out = [torch.empty_like(f) for f in self.flats]
+        position = 0
+        for chunk in self.pieces:
+            for i, lo, hi in chunk:
+                size = self.codec.payload_bytes(hi - lo)
+                out[i][lo:hi] = self.codec.decode(gathered[position:position + size], hi - lo)
+                position += size
+        return out
+
+
+def allreduce(tensor, name, format="fp8_e4m3", op=None, block_size=None, rounding="nearest", seed=0,
+              process_set=hvd.global_process_set):
+    """Average (op=hvd.Average, the default) or sum (hvd.Sum) `tensor` over the ranks through the
+    quantized path, without transform or error feedback. Returns a new tensor of tensor's dtype,
+    bit-identical on every rank."""
+    op = hvd.Average if op is None else op
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError(f"gift.allreduce({name!r}): op must be hvd.Average or hvd.Sum")
+    if not tensor.is_floating_point():
+        raise TypeError(f"gift.allreduce({name!r}): expected a floating-point tensor, got {tensor.dtype}")
+    codec = Codec(format, block_size, rounding, seed)
+    flat = tensor.detach().reshape(-1).to(torch.float32).contiguous()
+    reduction = BucketReduction(f"gift.allreduce.{name}", [flat], codec, process_set, average=op == hvd.Average)
+    (result,) = reduction.start().exchange().finish()
+    return result.view(tensor.shape).to(tensor.dtype)
+
+
+def allgather_object(obj, name, process_set=hvd.global_process_set):
+    """Every rank's picklable obj, in rank order (hvd.allgather_object has no process_set in 0.28)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = hvd.allgather(torch.tensor([data.numel()]), name=f"{name}.sizes", process_set=process_set)
+    gathered = hvd.allgather(data, name=f"{name}.data", process_set=process_set)
+    return [pickle.loads(part.numpy().tobytes()) for part in torch.split(gathered, sizes.tolist())]

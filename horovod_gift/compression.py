@@ -1,0 +1,279 @@
+"""GIFT: a horovod.torch Compressor that sends gradients as FP8 or NVFP4.
+
+    compression = gift.GIFT(model, format="nvfp4", transform="auto", error_feedback=True)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
+
+Per step and parameter g (Horovod calls compress(g) when g is ready, decompress(out, ctx) in
+synchronize()):
+    u = T(g)                      T: K-FAC input whitening for nn.Linear weights, randomized
+                                  Hadamard rotation, both, or neither (see TRANSFORMS)
+    avg(u) over ranks             quantized reduce-scatter + allgather of buckets (collective.py),
+                                  with error feedback on both quantization stages
+    g_avg = T^{-1}(avg(u))        identical bytes, scales and T on every rank: bit-identical result
+compress returns a one-element placeholder for Horovod's own allreduce and launches the bucket's
+first stage once all its members are in; the first decompress of a step puts every bucket's
+second stage in flight together. Tensors under `min_elements` take Horovod's fp32 allreduce.
+"""
+import hashlib
+import sys
+
+import torch
+import horovod.torch as hvd
+from horovod.torch.compression import Compressor
+
+from .collective import BucketReduction, Codec, allgather_object
+from .config import check_codec
+from .statistics import WhiteningStatistics
+from .transforms import TRANSFORMS, TransformPlan
+
+HOROVOD_DTYPES = (torch.float16, torch.float32, torch.float64)
+
+
+class GIFT(Compressor):
+    """State of the low-precision gradient exchange for one model (see the module docstring).
+
+    format: "nvfp4" | "fp8_e4m3" | "fp8_e5m2"; block_size: FP8 scale block (None: per tensor);
+    transform: "auto" | "none" | "hadamard" | "whiten" | "whiten+hadamard"; error_feedback: keep
+    each stage's quantization error and add it back next step; nonfinite: "nan" (a non-finite
+    gradient comes back NaN on every rank) or "raise" (every rank raises).
+    """
+
+    def __init__(self, model, format="nvfp4", transform="auto", error_feedback=True, block_size=None,
+                 rounding="nearest", seed=0, bucket_elements=1 << 22, min_elements=1024, whitening_rank=32,
+                 damping=1e-3, stat_every=50, hadamard_block=128, nonfinite="nan",
+                 process_set=hvd.global_process_set, verbose=True):
+        if not hvd.is_initialized():
+            raise RuntimeError("GIFT: call hvd.init() before creating GIFT(model, ...)")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"GIFT: expected the torch.nn.Module being trained, got {type(model).__name__}")
+        check_codec(format, block_size, rounding, where="GIFT")
+        if transform not in TRANSFORMS:
+            raise ValueError(f"GIFT: unknown transform {transform!r}; expected one of {TRANSFORMS}")
+        if nonfinite not in ("nan", "raise"):
+            raise ValueError(f"GIFT: nonfinite must be 'nan' or 'raise', got {nonfinite!r}")
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("GIFT: the model has no trainable parameters")
+        self.codec = Codec(format, block_size, rounding, seed)
+        self.transform, self.error_feedback, self.nonfinite = transform, error_feedback, nonfinite
+        self.min_elements, self.process_set, self.verbose = min_elements, process_set, verbose
+        self.params = dict(params)
+        self.statistics = WhiteningStatistics(model, self.params, whitening_rank, damping, stat_every, process_set)
+        self.plan = TransformPlan(self.params, transform, format, self.statistics, hadamard_block, seed)
+        compressed = [n for n, p in reversed(params) if p.numel() >= min_elements]   # backward order
+        self.buckets = _fill_buckets(compressed, {n: self.params[n].numel() for n in compressed}, bucket_elements)
+        self.bucket_of = {n: k for k, names in enumerate(self.buckets) for n in names}
+        self.residual1, self.residual2 = {}, {}
+        self.step = 0
+        self._grad_names = {}
+        self._counters = dict(elements=0, bytes_sent=0, payload_bytes=0, uncompressed_elements=0)
+        self._reset_step()
+
+    # ---------------------------------------------------------------- Horovod's interface
+    def compress(self, tensor):
+        if not isinstance(self, GIFT):
+            raise TypeError("compression=GIFT passes the class; pass an instance made for your model: "
+                            "compression=gift.GIFT(model, format='nvfp4')")
+        name = self._name_of(tensor)
+        if not self._in_step:
+            self._begin_step()
+        self._outstanding += 1
+        self._counters["elements"] += tensor.numel()
+        if name not in self.bucket_of:
+            self._counters["uncompressed_elements"] += tensor.numel()
+            self._counters["payload_bytes"] += 4 * tensor.numel()
+            plain = tensor if tensor.dtype in HOROVOD_DTYPES else tensor.to(torch.float32)
+            return plain, ("plain", name, tensor.dtype)
+        self.plan.maybe_choose(name, tensor, self.codec, self._convert_residual)
+        self._u[name] = self.plan.forward(name, tensor)
+        self._shapes[name] = (tensor.shape, tensor.dtype)
+        bucket = self.bucket_of[name]
+        if all(n in self._u for n in self.buckets[bucket]):
+            self._start(bucket)
+        return torch.zeros(1), ("gift", name, tensor.dtype)
+
+    def decompress(self, tensor, ctx):
+        kind, name, dtype = ctx
+        if kind == "plain":
+            result = tensor.to(dtype)
+        else:
+            self._second_stage()
+            result = self._result(name)
+        if self.nonfinite == "raise" and not torch.isfinite(result).all():
+            self._reset_step()
+            raise FloatingPointError(f"GIFT: the averaged gradient of {name} is not finite "
+                                     "(a rank's gradient held NaN or Inf)")
+        self._outstanding -= 1
+        if self._outstanding == 0:
+            self._end_step()
+        return result
+
+    # ---------------------------------------------------------------- one step
+    def _reset_step(self):
+        self._in_step, self._outstanding = False, 0
+        self._u, self._shapes, self._reductions, self._results, self._exchanged = {}, {}, {}, {}, False
+
+    def _begin_step(self):
+        self._in_step = True
+        if self.step == 0:
+            self._check_ranks_agree()
+        self.statistics.current_step = self.step
+        if self.statistics.due(self.step):
+            self.plan.evaluating = True
+            self._fold_second_stage_residuals()            # transforms may change this step
+            changed = self.statistics.refresh()
+            if changed:
+                for name, old_factors in changed.items():
+                    self._convert_residual(name, lambda u, n=name, f=old_factors: self.plan.inverse(n, u, factors=f))
+            if self.step == 0 and self.verbose and hvd.rank() == 0:
+                print(f"[horovod-gift] {self.describe()}", file=sys.stderr, flush=True)
+
+    def _start(self, bucket):
+        names = self.buckets[bucket]
+        flats = [self._u[n] if n in self._u else torch.zeros(self.params[n].numel()) for n in names]
+        residual1 = residual2 = None
+        if self.error_feedback:
+            residual1 = [self.residual1.setdefault(n, torch.zeros_like(f)) for n, f in zip(names, flats)]
+        reduction = BucketReduction(f"gift.b{bucket}", flats, self.codec, self.process_set, residual1, None,
+                                    average=True, step=self.step)
+        if self.error_feedback:
+            reduction.residual2 = self.residual2.setdefault(bucket, torch.zeros(reduction.owned))
+        self._reductions[bucket] = reduction.start()
+        self._counters["payload_bytes"] += sum(self.codec.payload_bytes(f.numel()) for f in flats)
+
+    def _second_stage(self):
+        if self._exchanged:
+            return
+        for bucket in range(len(self.buckets)):           # a bucket whose members Horovod never sent
+            if bucket not in self._reductions and any(n in self._u for n in self.buckets[bucket]):
+                self._start(bucket)
+        for reduction in self._reductions.values():       # all second stages in flight together
+            reduction.exchange()
+        self._exchanged = True
+
+    def _result(self, name):
+        bucket = self.bucket_of[name]
+        if bucket not in self._results:
+            reduction = self._reductions[bucket]
+            self._results[bucket] = dict(zip(self.buckets[bucket], reduction.finish()))
+            self._counters["bytes_sent"] += reduction.bytes_sent
+            self._scrub_residuals(reduction)
+        shape, dtype = self._shapes[name]
+        return self.plan.inverse(name, self._results[bucket][name]).view(shape).to(dtype)
+
+    def _end_step(self):
+        self.step += 1
+        self.statistics.current_step = self.step
+        self.plan.end_step()
+        self._reset_step()
+
+    # ---------------------------------------------------------------- residuals
+    def _scrub_residuals(self, reduction):
+        """A non-finite gradient must not poison later steps through its residual."""
+        for r in (reduction.residual1 or []) + ([reduction.residual2] if reduction.residual2 is not None else []):
+            if not torch.isfinite(r).all():
+                r.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
+    def _fold_second_stage_residuals(self):
+        """Move each owner's stage-2 residual into its stage-1 residual (times n: stage 1 is summed,
+        then averaged), so both live in per-parameter coordinates before a transform changes."""
+        n, rank = self.process_set.size(), self.process_set.rank()
+        for bucket, r2 in self.residual2.items():
+            names = self.buckets[bucket]
+            flats = [torch.empty(self.params[nm].numel()) for nm in names]
+            pieces = BucketReduction("fold", flats, self.codec, self.process_set).pieces[rank]
+            offset = 0
+            for i, lo, hi in pieces:
+                r1 = self.residual1.setdefault(names[i], torch.zeros(self.params[names[i]].numel()))
+                r1[lo:hi] += n * r2[offset:offset + hi - lo]
+                offset += hi - lo
+            r2.zero_()
+
+    def _convert_residual(self, name, old_inverse):
+        """Re-express a stage-1 residual in the current transform's coordinates."""
+        if name in self.residual1:
+            shape = self.params[name].shape
+            g = old_inverse(self.residual1[name]).view(shape)
+            self.residual1[name] = self.plan.forward(name, g)
+
+    # ---------------------------------------------------------------- identity and agreement
+    def _name_of(self, tensor):
+        name = self._grad_names.get(id(tensor))
+        if name is not None and self.params[name].grad is tensor:
+            return name
+        self._grad_names = {id(p.grad): n for n, p in self.params.items() if p.grad is not None}
+        name = self._grad_names.get(id(tensor))
+        if name is not None:
+            return name
+        caller = sys._getframe(2).f_locals.get("self")
+        if type(caller).__name__ == "_DistributedAdasumOptimizer":
+            raise ValueError("GIFT does not support op=hvd.Adasum (it compresses parameter deltas, not "
+                             "averaged gradients); use op=hvd.Average")
+        raise ValueError(f"GIFT.compress got a tensor of shape {tuple(tensor.shape)} that is not the .grad of "
+                         "a parameter of the model given to GIFT(model); pass the same model's "
+                         "named_parameters() to hvd.DistributedOptimizer (sparse_as_dense is not supported)")
+
+    def config(self):
+        return dict(format=self.codec.format, block_size=self.codec.block_size, rounding=self.codec.rounding,
+                    seed=self.codec.seed, transform=self.transform, error_feedback=self.error_feedback,
+                    min_elements=self.min_elements, hadamard_block=self.plan.hadamard_block,
+                    stat_every=self.statistics.stat_every, whitening_rank=self.statistics.rank,
+                    nonfinite=self.nonfinite,
+                    buckets=hashlib.sha256(repr(self.buckets).encode()).hexdigest()[:16])
+
+    def _check_ranks_agree(self):
+        configs = allgather_object(self.config(), "gift.config", self.process_set)
+        if any(c != configs[0] for c in configs):
+            diff = sorted({k for c in configs for k in c if c.get(k) != configs[0].get(k)})
+            raise ValueError("GIFT configuration differs across ranks in " + ", ".join(diff) + ": "
+                             + "; ".join(f"rank {r}: " + ", ".join(f"{k}={c.get(k)!r}" for k in diff)
+                                         for r, c in enumerate(configs)))
+
+    # ---------------------------------------------------------------- telemetry and checkpoints
+    def describe(self):
+        counts = self.plan.counts(self.bucket_of)
+        return (f"GIFT {self.codec.format}" + (f" (block {self.codec.block_size})" if self.codec.block_size else "")
+                + f", transform={self.transform}: " + ", ".join(f"{v} tensors {k}" for k, v in sorted(counts.items()))
+                + f"; {len(self.buckets)} buckets; tensors under {self.min_elements} elements go fp32")
+
+    def stats(self):
+        """Cumulative counters of this rank: steps, gradient elements, bytes this rank sent through the
+        quantized path, and bits per gradient element of what it encoded (uncompressed tensors at 32)."""
+        c = dict(self._counters, steps=self.step)
+        c["bits_per_element"] = 8.0 * c["payload_bytes"] / c["elements"] if c["elements"] else 0.0
+        c["plans"] = self.plan.counts(self.bucket_of)
+        return c
+
+    def state_dict(self):
+        """Residuals of every rank, whitening statistics and factors, transform choices. Collective:
+        call it on every rank (it gathers the per-rank residuals); save it from any one rank."""
+        local = {"residual1": {n: r.clone() for n, r in self.residual1.items()},
+                 "residual2": {k: r.clone() for k, r in self.residual2.items()}}
+        everyone = allgather_object(local, "gift.state_dict", self.process_set)
+        return {"step": self.step, "config": self.config(), "ranks": everyone,
+                "statistics": self.statistics.state_dict(), "plan": self.plan.state_dict()}
+
+    def load_state_dict(self, state):
+        if state["config"] != self.config():
+            raise ValueError(f"GIFT.load_state_dict: saved with {state['config']}, this GIFT is {self.config()}")
+        if len(state["ranks"]) != self.process_set.size():
+            raise ValueError(f"GIFT.load_state_dict: saved on {len(state['ranks'])} ranks, running on "
+                             f"{self.process_set.size()}: residuals cannot be mapped")
+        mine = state["ranks"][self.process_set.rank()]
+        self.residual1 = {n: r.clone() for n, r in mine["residual1"].items()}
+        self.residual2 = {k: r.clone() for k, r in mine["residual2"].items()}
+        self.step = state["step"]
+        self.statistics.load_state_dict(state["statistics"])
+        self.plan.load_state_dict(state["plan"])
+        self._reset_step()
+
+
+def _fill_buckets(names, sizes, bucket_elements):
+    buckets, current, filled = [], [], 0
+    for n in names:
+        if current and filled + sizes[n] > bucket_elements:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(n)
+        filled += sizes[n]
+    return buckets + ([current] if current else [])

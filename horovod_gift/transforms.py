@@ -1,0 +1,94 @@
+"""Which transform each gradient takes, and applying it.
+
+"none", "hadamard" (randomized Hadamard rotation of the flattened tensor), "whiten" (K-FAC input
+whitening; nn.Linear weights only) and "whiten+hadamard". "auto" starts from the per-format
+default below and, at every statistics refresh, re-picks per tensor the candidate with the
+smallest round-trip error on that step's gradients summed over ranks (so every rank picks the
+same), which keeps any tensor from doing worse than "none" on its own recent gradients.
+"""
+import torch
+import horovod.torch as hvd
+
+from .formats import rotate
+
+TRANSFORMS = ("auto", "none", "hadamard", "whiten", "whiten+hadamard")
+# Starting points for "auto", from benchmarks/results/fidelity.md: whitening helps nn.Linear
+# weights in every format; a rotation on top helps NVFP4's 16-element blocks, not FP8.
+AUTO_START = {"fp8_e4m3": ("whiten", "none"), "fp8_e5m2": ("whiten", "none"), "nvfp4": ("whiten+hadamard", "none")}
+
+
+class TransformPlan:
+    def __init__(self, params, transform, format, statistics, hadamard_block, seed):
+        self.params, self.transform, self.statistics = params, transform, statistics
+        self.hadamard_block, self.seed = hadamard_block, seed
+        self.evaluating = False
+        self._evaluated = set()
+        self.choice = {}
+        for name in params:
+            linear = name in statistics.whitening
+            if transform == "auto":
+                self.choice[name] = AUTO_START[format][0 if linear else 1]
+            elif transform.startswith("whiten") and not linear:
+                self.choice[name] = "hadamard" if transform.endswith("hadamard") else "none"
+            else:
+                self.choice[name] = transform
+
+    def candidates(self, name):
+        if name in self.statistics.whitening:
+            return ("none", "hadamard", "whiten", "whiten+hadamard")
+        return ("none", "hadamard")
+
+    def forward(self, name, g, plan=None):
+        plan = plan or self.choice[name]
+        x = g.detach().to(torch.float32)
+        if plan.startswith("whiten"):
+            w = self.statistics.whitening[name]
+            x = w.forward(x.reshape(-1, w.in_features))
+        x = x.reshape(-1).contiguous()
+        return rotate(x, (self.hadamard_block, self.seed)) if plan.endswith("hadamard") else x
+
+    def inverse(self, name, u, plan=None, factors=None):
+        """Flat fp32 gradient from flat fp32 u."""
+        plan = plan or self.choice[name]
+        x = rotate(u, (self.hadamard_block, self.seed), inverse=True) if plan.endswith("hadamard") else u
+        if plan.startswith("whiten"):
+            w = self.statistics.whitening[name]
+            x = w.inverse(x.view(-1, w.in_features), factors=factors).reshape(-1)
+        return x
+
+    def maybe_choose(self, name, g, codec, convert_residual):
+        """On a refresh step under "auto": re-pick this tensor's transform (a collective)."""
+        if self.transform != "auto" or not self.evaluating or name in self._evaluated:
+            return
+        self._evaluated.add(name)
+        candidates = self.candidates(name)
+        flat = g.detach().reshape(-1).to(torch.float32)
+        errors = []
+        for plan in candidates:
+            u = self.forward(name, g, plan)
+            back = self.inverse(name, codec.decode(codec.encode(u), u.numel()), plan)
+            errors.append(float((back - flat).double().pow(2).sum()))
+        errors = torch.tensor(errors, dtype=torch.float64).nan_to_num(nan=float("inf"))
+        total = hvd.allreduce(errors, op=hvd.Sum, name=f"gift.auto.{name}", process_set=self.statistics.process_set)
+        best = candidates[int(torch.argmin(total))]
+        if best != self.choice[name]:
+            old = self.choice[name]
+            self.choice[name] = best
+            convert_residual(name, lambda u: self.inverse(name, u, plan=old))
+
+    def end_step(self):
+        self.evaluating = False
+        self._evaluated = set()
+
+    def counts(self, compressed):
+        out = {}
+        for name, plan in self.choice.items():
+            key = plan if name in compressed else "fp32 (small)"
+            out[key] = out.get(key, 0) + 1
+        return out
+
+    def state_dict(self):
+        return dict(self.choice)
+
+    def load_state_dict(self, state):
+        self.choice = dict(state)
