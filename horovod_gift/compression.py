@@ -70,10 +70,8 @@ class GIFT(Compressor):
         self._reset_step()
 
     # ---------------------------------------------------------------- Horovod's interface
-    def compress(self, tensor):
-        if not isinstance(self, GIFT):
-            raise TypeError("compression=GIFT passes the class; pass an instance made for your model: "
-                            "compression=gift.GIFT(model, format='nvfp4')")
+    def compress(self, tensor=None):
+        _check_instance(self)
         name = self._name_of(tensor)
         if not self._in_step:
             self._begin_step()
@@ -92,7 +90,8 @@ class GIFT(Compressor):
             self._start(bucket)
         return torch.zeros(1), ("gift", name, tensor.dtype)
 
-    def decompress(self, tensor, ctx):
+    def decompress(self, tensor=None, ctx=None):
+        _check_instance(self)
         kind, name, dtype = ctx
         if kind == "plain":
             result = tensor.to(dtype)
@@ -266,6 +265,13 @@ class GIFT(Compressor):
         self.statistics.load_state_dict(state["statistics"])
         self.plan.load_state_dict(state["plan"])
         self._reset_step()
+
+
+def _check_instance(obj):
+    # Horovod calls compression.compress(grad): with the class itself, grad lands in `self`
+    if not isinstance(obj, GIFT):
+        raise TypeError("compression=GIFT passes the class; pass an instance made for your model: "
+                        "compression=gift.GIFT(model, format='nvfp4')")
 
 
 def _fill_buckets(names, sizes, bucket_elements):
