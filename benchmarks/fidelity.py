@@ -35,7 +35,7 @@ def capture(args):
                       max_seq_len=args.seq_len)
     model = Llama(cfg)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    whitenings = {n: {s: gift.InputWhitening(m.in_features, rank=args.rank, damping=1e-3, sqrt=s)
+    whitenings = {n: {s: gift.InputWhitening(m.in_features, rank=args.rank, damping=1e-3, sqrt=s, ema=args.ema)
                       for s in ("cholesky", "symmetric", "lowrank")} for n, m in linears.items()}
     inputs = {}
     for n, m in linears.items():
@@ -125,9 +125,9 @@ def report(rows, captured, losses, params, seconds, args):
            f"trained {max(steps)} steps on the Python standard library's source (batch {args.batch_size} x "
            f"{args.seq_len} bytes, AdamW lr {args.lr}). Loss at the capture steps: "
            + ", ".join(f"step {s}: {losses[s]:.3f}" for s in steps) + ".",
-           f"Gradients of all {len(captured[steps[0]])} nn.Linear weights; whitening statistic: EMA 0.95 of E[x x^T] "
+           f"Gradients of all {len(captured[steps[0]])} nn.Linear weights; whitening statistic: EMA {args.ema} of E[x x^T] "
            f"of the layer inputs, updated every {args.stat_every} steps, rank {args.rank}, damping 1e-3; Hadamard "
-           f"blocks of 128. Run time {seconds:.0f} s. Command: `.venv/bin/python benchmarks/fidelity.py`.", "",
+           f"blocks of 128. Run time {seconds:.0f} s. Command: `.venv/bin/python benchmarks/fidelity.py " + " ".join(sys.argv[1:]) + "`.", "",
            "RelL2 = ||Q(G) - G|| / ||G|| in the gradient space, energy-weighted over all weights; worst = the worst "
            "single layer; RelL2(u) = the same in the transformed space where quantization happens.", "",
            "| codec | transform | " + " | ".join(f"RelL2 @{s} | worst @{s}" for s in steps)
@@ -166,6 +166,7 @@ def main():
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--stat-every", type=int, default=10)
+    p.add_argument("--ema", type=float, default=0.95, help="0: whiten with the current batch's covariance only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fidelity.md"))

@@ -13,12 +13,15 @@ import time
 
 import torch
 import horovod.torch as hvd
+import horovod_gift as gift
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from data import ByteBatches, read_corpus  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
 
-COMPRESSIONS = ["none", "fp16"]
+# fp8 / nvfp4: the same codec and collective as gift-*, without a transform
+COMPRESSIONS = {"none": None, "fp16": None, "fp8": ("fp8_e4m3", "none"), "nvfp4": ("nvfp4", "none"),
+                "gift-fp8": ("fp8_e4m3", "auto"), "gift-nvfp4": ("nvfp4", "auto")}
 
 
 def make_compression(name, model):
@@ -26,7 +29,9 @@ def make_compression(name, model):
         return hvd.Compression.none, None
     if name == "fp16":
         return hvd.Compression.fp16, None
-    raise ValueError(f"--compression {name}: choose one of {COMPRESSIONS}")
+    format, transform = COMPRESSIONS[name]
+    compressor = gift.GIFT(model, format=format, transform=transform)
+    return compressor, compressor
 
 
 def bits_per_element(name, compressor):
@@ -37,7 +42,7 @@ def bits_per_element(name, compressor):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--compression", default="none", choices=COMPRESSIONS)
+    p.add_argument("--compression", default="gift-nvfp4", choices=list(COMPRESSIONS))
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="text file or directory (default: the Python standard library's source)")
@@ -121,18 +126,29 @@ def main(argv=None):
             writer.writeheader()
             writer.writerows(rows)
     if rank0 and losses:
-        print(f"done: {len(losses)} steps on {hvd.size()} ranks in {time.perf_counter() - t_start:.1f}s; "
-              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        print(summary(args, losses, compressor, time.perf_counter() - t_start, len(losses)), flush=True)
     return losses
 
 
+def summary(args, losses, compressor, seconds, steps):
+    n = hvd.size()
+    text = (f"done: {steps} steps on {n} ranks in {seconds:.1f}s with --compression {args.compression}; "
+            f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    if compressor is not None:
+        s = compressor.stats()
+        fp32_bytes = 2 * (n - 1) / n * 4 * s["elements"]          # a ring allreduce of fp32 gradients
+        sent = s["bytes_sent"] + 2 * (n - 1) / n * 4 * s["uncompressed_elements"]
+        text += (f"\nbytes sent per rank: {sent / 1e6:.2f} MB vs {fp32_bytes / 1e6:.2f} MB for fp32 "
+                 f"({fp32_bytes / max(sent, 1):.1f}x less); {s['bits_per_element']:.2f} bits per gradient element")
+    return text
+
+
 def save_checkpoint(path, model, optimizer, compressor, step):
-    if hvd.rank() != 0:
-        return
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
     if compressor is not None:
-        state["compressor"] = compressor.state_dict()
-    torch.save(state, path)
+        state["compressor"] = compressor.state_dict()    # collective: every rank calls it
+    if hvd.rank() == 0:
+        torch.save(state, path)
 
 
 if __name__ == "__main__":
