@@ -82,7 +82,7 @@ class GIFT(Compressor):
             self._counters["payload_bytes"] += 4 * tensor.numel()
             plain = tensor if tensor.dtype in HOROVOD_DTYPES else tensor.to(torch.float32)
             return plain, ("plain", name, tensor.dtype)
-        self.plan.maybe_choose(name, tensor, self.codec, self._convert_residual)
+        self.plan.record(name, tensor, self.codec)
         self._u[name] = self.plan.forward(name, tensor)
         self._shapes[name] = (tensor.shape, tensor.dtype)
         bucket = self.bucket_of[name]
@@ -148,6 +148,7 @@ class GIFT(Compressor):
                 self._start(bucket)
         for reduction in self._reductions.values():       # all second stages in flight together
             reduction.exchange()
+        self.plan.start_vote()
         self._exchanged = True
 
     def _result(self, name):
@@ -161,6 +162,9 @@ class GIFT(Compressor):
         return self.plan.inverse(name, self._results[bucket][name]).view(shape).to(dtype)
 
     def _end_step(self):
+        if self.plan.evaluating:
+            self._fold_second_stage_residuals()
+            self.plan.finish_vote(self._convert_residual)
         self.step += 1
         self.statistics.current_step = self.step
         self.plan.end_step()

@@ -21,8 +21,7 @@ class TransformPlan:
     def __init__(self, params, transform, format, statistics, hadamard_block, seed):
         self.params, self.transform, self.statistics = params, transform, statistics
         self.hadamard_block, self.seed = hadamard_block, seed
-        self.evaluating = False
-        self._evaluated = set()
+        self.evaluating, self._errors, self._vote = False, {}, None
         self.choice = {}
         for name in params:
             linear = name in statistics.whitening
@@ -56,29 +55,42 @@ class TransformPlan:
             x = w.inverse(x.view(-1, w.in_features), factors=factors).reshape(-1)
         return x
 
-    def maybe_choose(self, name, g, codec, convert_residual):
-        """On a refresh step under "auto": re-pick this tensor's transform (a collective)."""
-        if self.transform != "auto" or not self.evaluating or name in self._evaluated:
+    def record(self, name, g, codec):
+        """On a refresh step under "auto": this rank's round-trip error of each candidate (local)."""
+        if self.transform != "auto" or not self.evaluating:
             return
-        self._evaluated.add(name)
-        candidates = self.candidates(name)
         flat = g.detach().reshape(-1).to(torch.float32)
         errors = []
-        for plan in candidates:
+        for plan in self.candidates(name):
             u = self.forward(name, g, plan)
             back = self.inverse(name, codec.decode(codec.encode(u), u.numel()), plan)
             errors.append(float((back - flat).double().pow(2).sum()))
-        errors = torch.tensor(errors, dtype=torch.float64).nan_to_num(nan=float("inf"))
-        total = hvd.allreduce(errors, op=hvd.Sum, name=f"gift.auto.{name}", process_set=self.statistics.process_set)
-        best = candidates[int(torch.argmin(total))]
-        if best != self.choice[name]:
-            old = self.choice[name]
-            self.choice[name] = best
-            convert_residual(name, lambda u: self.inverse(name, u, plan=old))
+        self._errors[name] = torch.tensor(errors + [0.0] * (4 - len(errors)), dtype=torch.float64)
+
+    def start_vote(self):
+        """Sum every recorded error over ranks: one collective, started once every rank has sent
+        every gradient (a collective inside compress could deadlock: ranks call it in different orders)."""
+        if self._errors:
+            names = sorted(self._errors)
+            self._vote = (names, hvd.allreduce_async(torch.stack([self._errors[n] for n in names]), op=hvd.Sum,
+                                                     name="gift.auto", process_set=self.statistics.process_set))
+
+    def finish_vote(self, convert_residual):
+        """Apply the vote after the step's results were mapped back with the old transforms."""
+        if self._vote is None:
+            return
+        names, handle = self._vote
+        totals = hvd.synchronize(handle).nan_to_num(nan=float("inf"))
+        for name, total in zip(names, totals):
+            candidates = self.candidates(name)
+            best = candidates[int(torch.argmin(total[:len(candidates)]))]
+            if best != self.choice[name]:
+                old = self.choice[name]
+                self.choice[name] = best
+                convert_residual(name, lambda u, n=name, o=old: self.inverse(n, u, plan=o))
 
     def end_step(self):
-        self.evaluating = False
-        self._evaluated = set()
+        self.evaluating, self._errors, self._vote = False, {}, None
 
     def counts(self, compressed):
         out = {}

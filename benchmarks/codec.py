@@ -1,0 +1,107 @@
+"""The codec on synthetic data: Gaussian error floors, bits per element, CPU speed, whitening cost.
+
+    .venv/bin/python benchmarks/codec.py          # about 2 minutes; writes benchmarks/results/codec.md
+
+Speed is a ratio to an fp32 -> fp16 -> fp32 cast round trip of the same tensor measured in the
+same run (1e7 elements, one thread), medians of repeated runs. The CPU path is the torch
+reference under torch.compile (first call compiles; not timed).
+"""
+import argparse
+import pathlib
+import statistics
+import time
+
+import torch
+
+import horovod_gift as gift
+from horovod_gift import formats
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+REFERENCE_NMSE = {("nvfp4", None): 9.0e-3, ("fp8_e4m3", 32): 5.8e-4, ("fp8_e5m2", None): 2.8e-3,
+                  ("fp8_e4m3", None): 7.0e-4, ("fp8_e4m3", 16): 5.0e-4, ("fp8_e4m3", 128): 6.6e-4}
+
+
+def median_time(fn, repeats):
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def fidelity_table(n):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    rows = ["| codec | rounding | NMSE | reference | ratio | bits/elem | target bits |", "|---|---|---|---|---|---|---|"]
+    for (fmt, block), ref in REFERENCE_NMSE.items():
+        for rounding in ("nearest", "stochastic"):
+            enc = gift.encode(x, fmt, block_size=block, rounding=rounding)
+            nmse = float(((gift.decode(enc) - x).double().norm() / x.double().norm()) ** 2)
+            target = 4.6 if fmt == "nvfp4" else (8.01 if block is None else 8 + 32 / block + 0.01)
+            reference = f"{ref:.1e}" if rounding == "nearest" else ("1.9e-02" if fmt == "nvfp4" else "-")
+            ratio = f"{nmse / ref:.3f}" if rounding == "nearest" else "-"
+            rows.append(f"| {fmt} {'per ' + str(block) if block else 'per tensor'} | {rounding} | {nmse:.3e} | "
+                        f"{reference} | {ratio} | {enc.bits_per_element:.4f} | <= {target:.4f} |")
+    return rows
+
+
+def speed_table(n, repeats):
+    torch.set_num_threads(1)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    rows = ["| codec | transform | error feedback | ms | ratio to fp16 round trip | target |", "|---|---|---|---|---|---|"]
+    for fmt, block, rotation, target in (("fp8_e4m3", None, None, 2), ("fp8_e5m2", None, None, 2),
+                                         ("fp8_e4m3", 32, None, 2), ("nvfp4", None, None, 3),
+                                         ("nvfp4", None, (128, 0), 3)):
+        for feedback in (False, True):
+            residual = torch.zeros(n) if feedback else None
+
+            def roundtrip():
+                codes, scales, tensor_scale = formats.quantize(x, fmt, block, residual=residual, rotation=rotation)
+                return formats.dequantize(codes, scales, tensor_scale, n, fmt, block)
+
+            base = median_time(lambda: x.half().float(), repeats)
+            t = median_time(roundtrip, repeats)
+            rows.append(f"| {fmt} {'per ' + str(block) if block else 'per tensor'} | "
+                        f"{'hadamard 128' if rotation else 'none'} | {'yes' if feedback else 'no'} | {t * 1e3:.1f} | "
+                        f"{t / base:.2f} (fp16 round trip {base * 1e3:.1f} ms) | <= {target} |")
+    return rows
+
+
+def whitening_table(repeats):
+    torch.set_num_threads(1)
+    rows = ["| in_features | out | rank | lowrank forward+inverse ms | per in_features (us) | dense (cholesky) ms |",
+            "|---|---|---|---|---|---|"]
+    for n_in in (256, 512, 1024, 2048, 4096):
+        x = torch.randn(4 * n_in, n_in)
+        g = torch.randn(1024, n_in)
+        cells = []
+        for sqrt in ("lowrank", "cholesky"):
+            w = gift.InputWhitening(n_in, rank=32, sqrt=sqrt)
+            w.update(x)
+            cells.append(median_time(lambda: w.inverse(w.forward(g)), repeats))
+        rows.append(f"| {n_in} | 1024 | 32 | {cells[0] * 1e3:.2f} | {cells[0] / n_in * 1e6:.2f} | {cells[1] * 1e3:.2f} |")
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--elements", type=int, default=10_000_000)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "codec.md"))
+    args = p.parse_args()
+    text = [f"# Codec benchmark ({time.strftime('%Y-%m-%d')}, CPU, torch {torch.__version__})", "",
+            "Command: `.venv/bin/python benchmarks/codec.py`.", "",
+            f"## Error on i.i.d. Gaussian data ({2 ** 20} elements) against the reference floors "
+            "(../shared/reference/gift-method.md)", ""] + fidelity_table(1 << 20)
+    text += ["", f"## CPU speed: encode + decode of {args.elements:.0e} fp32 elements, one thread", ""]
+    text += speed_table(args.elements, args.repeats)
+    text += ["", "## Whitening cost at fixed rank: O(out * in * r) for the low-rank form, O(out * in^2) dense", ""]
+    text += whitening_table(args.repeats)
+    out = "\n".join(text) + "\n"
+    print(out)
+    pathlib.Path(args.out).write_text(out)
+
+
+if __name__ == "__main__":
+    main()

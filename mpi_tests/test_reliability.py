@@ -1,0 +1,77 @@
+"""Bad input and rank disagreement: the same outcome on every rank, never a hang."""
+import pytest
+import torch
+import horovod.torch as hvd
+
+import horovod_gift as gift
+from helpers import COMM, assert_identical_on_all_ranks, assert_same_on_all_ranks
+from test_gift import TinyLM, batch
+
+
+def one_step(compression_kwargs, poison=None):
+    model = TinyLM()
+    compression = gift.GIFT(model, verbose=False, **compression_kwargs)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=model.named_parameters(),
+                                   compression=compression)
+    if poison is not None and hvd.rank() == hvd.size() - 1:      # before Horovod's hook sees the gradient
+        model.up.weight.register_hook(lambda g: g.index_put((torch.tensor([3]), torch.tensor([5])), torch.tensor(poison)))
+    x, y = batch(0, hvd.rank())
+    torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    opt.synchronize()
+    return model
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_nonfinite_gradient_on_one_rank(poison):
+    model = one_step(dict(format="nvfp4"), poison)
+    up = model.up.weight.grad
+    assert not torch.isfinite(up).all(), "the poisoned tensor came back finite"
+    others = [p.grad for n, p in model.named_parameters() if n != "up.weight"]
+    assert all(torch.isfinite(g).all() for g in others), "another tensor was poisoned"
+    assert_identical_on_all_ranks([g.nan_to_num(nan=7.0) for g in [up] + others], "gradients after a NaN step")
+
+
+def test_nonfinite_gradient_raises_on_every_rank_when_asked():
+    with pytest.raises(FloatingPointError, match="averaged gradient of up.weight is not finite"):
+        one_step(dict(format="fp8_e4m3", nonfinite="raise"), float("nan"))
+
+
+@pytest.mark.parametrize("field,values", [("format", ("nvfp4", "fp8_e4m3")), ("transform", ("auto", "none")),
+                                          ("block_size", (None, 32)), ("seed", (0, 1))])
+def test_configuration_that_differs_between_ranks_raises_everywhere(field, values):
+    kwargs = dict(format="fp8_e4m3")
+    kwargs[field] = values[hvd.rank() % 2]
+    with pytest.raises(ValueError, match=f"GIFT configuration differs across ranks in {field}"):
+        one_step(kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_low_and_high_precision_parameters(dtype):
+    model = TinyLM().to(dtype)
+    compression = gift.GIFT(model, format="nvfp4", verbose=False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                   compression=compression)
+    for step in range(3):
+        x, y = batch(step, hvd.rank())
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).backward()
+        opt.step()
+    assert all(p.dtype == dtype for p in model.parameters())
+    assert_identical_on_all_ranks(list(model.parameters()), f"{dtype} parameters")
+
+
+def test_parameters_without_gradient_on_some_ranks_and_zero_gradients():
+    model = TinyLM()
+    compression = gift.GIFT(model, format="fp8_e4m3", verbose=False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                   compression=compression)
+    for step in range(4):
+        opt.zero_grad()
+        x, y = batch(step, hvd.rank())
+        if hvd.rank() == 0 and step % 2 == 0:       # rank 0 skips the MLP: no gradient for up/down
+            out = model.head(model.norm(model.embed(x)))
+        else:
+            out = model(x)
+        (0.0 * out.sum() if step == 3 else torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())).backward()
+        opt.step()
+    assert_identical_on_all_ranks(list(model.parameters()), "parameters after steps with missing gradients")
