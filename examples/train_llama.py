@@ -24,13 +24,13 @@ COMPRESSIONS = {"none": None, "fp16": None, "fp8": ("fp8_e4m3", "none"), "nvfp4"
                 "gift-fp8": ("fp8_e4m3", "auto"), "gift-nvfp4": ("nvfp4", "auto")}
 
 
-def make_compression(name, model):
+def make_compression(name, model, bucket_elements=1 << 22):
     if name == "none":
         return hvd.Compression.none, None
     if name == "fp16":
         return hvd.Compression.fp16, None
     format, transform = COMPRESSIONS[name]
-    compressor = gift.GIFT(model, format=format, transform=transform)
+    compressor = gift.GIFT(model, format=format, transform=transform, bucket_elements=bucket_elements)
     return compressor, compressor
 
 
@@ -50,6 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
+    p.add_argument("--bucket-elements", type=int, default=1 << 22, help="GIFT bucket size")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--csv", default=None, help="write per-step metrics here (rank 0)")
     p.add_argument("--checkpoint", default=None, help="save here at the end (and every --save-every steps)")
@@ -67,7 +68,7 @@ def main(argv=None):
     cfg = LlamaConfig(dim=args.dim, n_layers=args.layers, n_heads=max(1, args.dim // 32),
                       hidden_dim=(8 * args.dim // 3 + 7) // 8 * 8, max_seq_len=args.seq_len)
     model = Llama(cfg)
-    compression, compressor = make_compression(args.compression, model)
+    compression, compressor = make_compression(args.compression, model, args.bucket_elements)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     start_step = 0
     if args.resume:
@@ -95,17 +96,27 @@ def main(argv=None):
     t_start = time.perf_counter()
     for step in range(start_step, args.steps):
         t0 = time.perf_counter()
+        before = compressor.stats() if compressor is not None else None
         x, y = batches.next()
         optimizer.zero_grad()
         _, loss = model(x, y)
         loss.backward()
+        t_step = time.perf_counter()
         optimizer.step()
+        in_step = time.perf_counter() - t_step
         schedule.step()
-        mean_loss = hvd.allreduce(loss.detach(), name="train.loss").item()
         dt = time.perf_counter() - t0
+        mean_loss = hvd.allreduce(loss.detach(), name="train.loss").item()
         losses.append(mean_loss)
+        if compressor is not None:      # split of the step: codec work, waiting on the network, the rest
+            after = compressor.stats()
+            codec = after["codec_seconds"] - before["codec_seconds"]
+            wait = after["wait_seconds"] - before["wait_seconds"]
+        else:
+            codec, wait = 0.0, in_step  # Horovod's synchronize() inside optimizer.step()
         row = {"step": step + 1, "loss": mean_loss, "tokens_per_s": tokens_per_step / dt,
-               "bits_per_element": bits_per_element(args.compression, compressor), "seconds": dt}
+               "bits_per_element": bits_per_element(args.compression, compressor), "seconds": dt,
+               "codec_seconds": codec, "wait_seconds": wait, "compute_seconds": dt - codec - wait}
         rows.append(row)
         if rank0:
             if bar is not None:

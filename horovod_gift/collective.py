@@ -13,6 +13,7 @@ piece has its own scales, so a non-finite tensor poisons only itself.
 Bytes sent per rank: 2 (n-1)/n * elements * bits/8 plus the scales.
 """
 import pickle
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -109,6 +110,13 @@ class BucketReduction:
                                 for i in range(len(flats)) if max(start, offsets[i]) < min(end, offsets[i + 1])])
         self.owned = sum(hi - lo for _, lo, hi in self.pieces[self.rank])
         self.bytes_sent = 0
+        self.wait_seconds = 0.0          # blocked in hvd.synchronize
+
+    def _wait(self, handle):
+        t0 = time.perf_counter()
+        out = hvd.synchronize(handle)
+        self.wait_seconds += time.perf_counter() - t0
+        return out
 
     def start(self):
         payloads = []
@@ -125,7 +133,7 @@ class BucketReduction:
         return self
 
     def exchange(self):
-        received, received_splits = hvd.synchronize(self._handle)
+        received, received_splits = self._wait(self._handle)
         sources = torch.split(received, received_splits.tolist())
         parts, offset, position = [], 0, 0
         for i, lo, hi in self.pieces[self.rank]:
@@ -148,7 +156,7 @@ class BucketReduction:
 
     def finish(self):
         """The reduced tensors, flat fp32, identical on every rank."""
-        gathered = hvd.synchronize(self._handle)
+        gathered = self._wait(self._handle)
         out = [torch.empty_like(f) for f in self.flats]
         position = 0
         for chunk in self.pieces:

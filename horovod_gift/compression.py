@@ -16,6 +16,7 @@ second stage in flight together. Tensors under `min_elements` take Horovod's fp3
 """
 import hashlib
 import sys
+import time
 
 import torch
 import horovod.torch as hvd
@@ -66,12 +67,28 @@ class GIFT(Compressor):
         self.residual1, self.residual2 = {}, {}
         self.step = 0
         self._grad_names = {}
-        self._counters = dict(elements=0, bytes_sent=0, payload_bytes=0, uncompressed_elements=0)
+        self._counters = dict(elements=0, bytes_sent=0, payload_bytes=0, uncompressed_elements=0,
+                              seconds_in_gift=0.0, wait_seconds=0.0)
         self._reset_step()
 
     # ---------------------------------------------------------------- Horovod's interface
     def compress(self, tensor=None):
         _check_instance(self)
+        t0 = time.perf_counter()
+        try:
+            return self._compress(tensor)
+        finally:
+            self._counters["seconds_in_gift"] += time.perf_counter() - t0
+
+    def decompress(self, tensor=None, ctx=None):
+        _check_instance(self)
+        t0 = time.perf_counter()
+        try:
+            return self._decompress(tensor, ctx)
+        finally:
+            self._counters["seconds_in_gift"] += time.perf_counter() - t0
+
+    def _compress(self, tensor):
         name = self._name_of(tensor)
         if not self._in_step:
             self._begin_step()
@@ -90,8 +107,7 @@ class GIFT(Compressor):
             self._start(bucket)
         return torch.zeros(1), ("gift", name, tensor.dtype)
 
-    def decompress(self, tensor=None, ctx=None):
-        _check_instance(self)
+    def _decompress(self, tensor, ctx):
         kind, name, dtype = ctx
         if kind == "plain":
             result = tensor.to(dtype)
@@ -157,6 +173,7 @@ class GIFT(Compressor):
             reduction = self._reductions[bucket]
             self._results[bucket] = dict(zip(self.buckets[bucket], reduction.finish()))
             self._counters["bytes_sent"] += reduction.bytes_sent
+            self._counters["wait_seconds"] += reduction.wait_seconds
             self._scrub_residuals(reduction)
         shape, dtype = self._shapes[name]
         return self.plan.inverse(name, self._results[bucket][name]).view(shape).to(dtype)
@@ -241,8 +258,10 @@ class GIFT(Compressor):
 
     def stats(self):
         """Cumulative counters of this rank: steps, gradient elements, bytes this rank sent through the
-        quantized path, and bits per gradient element of what it encoded (uncompressed tensors at 32)."""
+        quantized path, bits per gradient element of what it encoded (uncompressed tensors at 32),
+        seconds spent in the codec and seconds waiting for the network inside GIFT."""
         c = dict(self._counters, steps=self.step)
+        c["codec_seconds"] = c["seconds_in_gift"] - c["wait_seconds"]   # transforms, encode, decode, sums
         c["bits_per_element"] = 8.0 * c["payload_bytes"] / c["elements"] if c["elements"] else 0.0
         c["plans"] = self.plan.counts(self.bucket_of)
         return c
