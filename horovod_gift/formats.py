@@ -137,5 +137,6 @@ def decode(enc: Encoded):
 
 def accumulate(codes, scales, tensor_scales, n, format, block_size=None):
     """fp32 sum, in order, of k payloads of n elements each: codes (k, bytes), scales (k, ...)."""
-    impl = fused.accumulate_triton if runs_triton(codes) else fused.accumulate_torch
-    return impl(codes, scales, tensor_scales, n, format, block_size)
+    if runs_triton(codes):
+        return fused.accumulate_triton(codes, scales, tensor_scales, n, format, block_size)
+    return _torch_impl(fused.accumulate_torch, n, False)(codes, scales, tensor_scales, n, format, block_size)
