@@ -225,8 +225,8 @@ class GIFT(Compressor):
         name = self._grad_names.get(id(tensor))
         if name is not None:
             return name
-        caller = sys._getframe(2).f_locals.get("self")
-        if type(caller).__name__ == "_DistributedAdasumOptimizer":
+        callers = [f.f_locals.get("self") for f in _frames(sys._getframe(1), 6)]
+        if any(hasattr(c, "_starting_models") for c in callers):   # only Horovod's Adasum optimizer has it
             raise ValueError("GIFT does not support op=hvd.Adasum (it compresses parameter deltas, not "
                              "averaged gradients); use op=hvd.Average")
         raise ValueError(f"GIFT.compress got a tensor of shape {tuple(tensor.shape)} that is not the .grad of "
@@ -288,6 +288,12 @@ class GIFT(Compressor):
         self.statistics.load_state_dict(state["statistics"])
         self.plan.load_state_dict(state["plan"])
         self._reset_step()
+
+
+def _frames(frame, depth):
+    while frame is not None and depth > 0:
+        yield frame
+        frame, depth = frame.f_back, depth - 1
 
 
 def _check_instance(obj):

@@ -159,15 +159,3 @@ def decode_e2m1_torch(code):
                    + (m >= 4).to(torch.float32)) + (m >= 5).to(torch.float32) + (m >= 6).to(torch.float32) \
         + 2.0 * (m >= 7).to(torch.float32)
     return torch.where(code >= 8, -value, value)
-
-
-def decode_table(fmt: FloatFormat):
-    """fp32 value of every code of the format, indexed by code."""
-    code = torch.arange(1 << fmt.bits, dtype=torch.int32)
-    sign = (code >> (fmt.ebits + fmt.mbits)) & 1
-    ef = (code >> fmt.mbits) & ((1 << fmt.ebits) - 1)
-    m = code & ((1 << fmt.mbits) - 1)
-    normal = (((ef - fmt.bias + 127) << 23) | (m << (23 - fmt.mbits))).view(torch.float32)
-    subnormal = m.to(torch.float32) * 2.0 ** (fmt.emin - fmt.mbits)
-    value = torch.where(ef > 0, normal, subnormal)
-    return (value.view(torch.int32) | (sign << 31)).view(torch.float32)

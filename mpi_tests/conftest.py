@@ -10,7 +10,7 @@ COMM = MPI.COMM_WORLD
 
 
 def pytest_configure(config):
-    hvd.init()
+    hvd.init(process_sets="dynamic")   # lets tests add process sets
 
 
 @pytest.hookimpl(hookwrapper=True)
