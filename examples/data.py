@@ -38,13 +38,14 @@ def read_corpus(path=None, max_bytes=4_000_000):
 
 
 class ByteBatches:
-    """Random windows of the corpus; each data-parallel rank draws its own disjoint stream."""
+    """Random windows of the corpus. Batch k of rank r depends only on (seed, r, k), so each rank
+    draws its own stream and a resumed run sees the batches an uninterrupted one would."""
 
-    def __init__(self, corpus, seq_len, batch_size, seed=0, rank=0, holdout=0.05):
+    def __init__(self, corpus, seq_len, batch_size, seed=0, rank=0, holdout=0.05, step=0):
         split = int(len(corpus) * (1 - holdout))
         self.train, self.valid = corpus[:split], corpus[split:]
         self.seq_len, self.batch_size = seq_len, batch_size
-        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+        self.seed, self.rank, self.step = seed, rank, step
 
     def _windows(self, data, generator):
         starts = torch.randint(0, len(data) - self.seq_len - 1, (self.batch_size,), generator=generator)
@@ -53,7 +54,9 @@ class ByteBatches:
         return w[:, :-1], w[:, 1:]
 
     def next(self):
-        return self._windows(self.train, self.generator)
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.rank) * 1_000_003 + self.step)
+        self.step += 1
+        return self._windows(self.train, generator)
 
     def validation(self, seed=1234):
         return self._windows(self.valid, torch.Generator().manual_seed(seed))

@@ -70,6 +70,8 @@ def main(argv=None):
     model = Llama(cfg)
     compression, compressor = make_compression(args.compression, model, args.bucket_elements)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    # wrap first: DistributedOptimizer builds a new optimizer object, which would drop loaded state
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compression)
     start_step = 0
     if args.resume:
         ckpt = torch.load(args.resume, map_location="cpu", weights_only=False)
@@ -80,8 +82,8 @@ def main(argv=None):
         start_step = ckpt["step"]
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compression)
-    batches = ByteBatches(read_corpus(args.data), args.seq_len, args.batch_size, seed=args.seed + start_step, rank=hvd.rank())
+    batches = ByteBatches(read_corpus(args.data), args.seq_len, args.batch_size, seed=args.seed, rank=hvd.rank(),
+                          step=start_step)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     for _ in range(start_step):
         schedule.step()

@@ -52,16 +52,18 @@ class GIFT(Compressor):
             raise ValueError(f"GIFT: unknown transform {transform!r}; expected one of {TRANSFORMS}")
         if nonfinite not in ("nan", "raise"):
             raise ValueError(f"GIFT: nonfinite must be 'nan' or 'raise', got {nonfinite!r}")
-        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if not params:
+        params = list(model.named_parameters())
+        trainable = [(n, p) for n, p in params if p.requires_grad]
+        if not trainable:
             raise ValueError("GIFT: the model has no trainable parameters")
         self.codec = Codec(format, block_size, rounding, seed)
         self.transform, self.error_feedback, self.nonfinite = transform, error_feedback, nonfinite
         self.min_elements, self.process_set, self.verbose = min_elements, process_set, verbose
+        # Parameters frozen now and trained later take Horovod's fp32 path: buckets must not wait for them.
         self.params = dict(params)
-        self.statistics = WhiteningStatistics(model, self.params, whitening_rank, damping, stat_every, process_set)
+        self.statistics = WhiteningStatistics(model, dict(trainable), whitening_rank, damping, stat_every, process_set)
         self.plan = TransformPlan(self.params, transform, format, self.statistics, hadamard_block, seed)
-        compressed = [n for n, p in reversed(params) if p.numel() >= min_elements]   # backward order
+        compressed = [n for n, p in reversed(trainable) if p.numel() >= min_elements]   # backward order
         self.buckets = _fill_buckets(compressed, {n: self.params[n].numel() for n in compressed}, bucket_elements)
         self.bucket_of = {n: k for k, names in enumerate(self.buckets) for n in names}
         self.residual1, self.residual2 = {}, {}
@@ -285,6 +287,7 @@ class GIFT(Compressor):
         self.residual1 = {n: r.clone() for n, r in mine["residual1"].items()}
         self.residual2 = {k: r.clone() for k, r in mine["residual2"].items()}
         self.step = state["step"]
+        self.statistics.current_step = self.step
         self.statistics.load_state_dict(state["statistics"])
         self.plan.load_state_dict(state["plan"])
         self._reset_step()

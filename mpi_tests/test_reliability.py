@@ -75,3 +75,32 @@ def test_parameters_without_gradient_on_some_ranks_and_zero_gradients():
         (0.0 * out.sum() if step == 3 else torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())).backward()
         opt.step()
     assert_identical_on_all_ranks(list(model.parameters()), "parameters after steps with missing gradients")
+
+
+class OddShapes(torch.nn.Module):
+    """Parameters of 0, 1, 15, 17 and 2**20 + 3 elements, and a frozen one."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.sizes = [0, 1, 15, 17, (1 << 20) + 3]
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(n)) for n in self.sizes)
+        self.frozen = torch.nn.Parameter(torch.randn(4096), requires_grad=False)
+
+    def forward(self, x):
+        return sum((w * x[: w.numel()]).square().sum() for w in self.weights) + (self.frozen * x[:4096]).sum()
+
+
+def test_odd_sizes_empty_noncontiguous_and_frozen_parameters():
+    model = OddShapes()
+    compression = gift.GIFT(model, format="nvfp4", min_elements=1, verbose=False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3), named_parameters=model.named_parameters(),
+                                   compression=compression)
+    model.weights[3].register_hook(lambda g: g.view(1, -1).expand(2, -1)[0])      # a non-contiguous gradient
+    for step in range(4):
+        x = torch.randn((1 << 20) + 3, generator=torch.Generator().manual_seed(step * 100 + hvd.rank()))
+        opt.zero_grad()
+        model(x).backward()
+        opt.step()
+    assert all(torch.isfinite(w).all() for w in model.weights)
+    assert_identical_on_all_ranks(list(model.weights), "odd-sized parameters")

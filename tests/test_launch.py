@@ -1,0 +1,48 @@
+"""Whole jobs under mpirun: a failing rank ends the job, and a restarted job resumes bit for bit."""
+import pathlib
+import subprocess
+import sys
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TRAIN = [str(ROOT / "examples" / "train_llama.py"), "--dim", "32", "--layers", "1", "--seq-len", "32",
+         "--batch-size", "4", "--quiet"]
+
+
+def mpirun(np, *args, timeout=240):
+    return subprocess.run(["bash", str(ROOT / "scripts" / "mpirun.sh"), str(np), sys.executable, *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_a_rank_that_raises_ends_the_job_with_an_error(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(
+        f"import sys; sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
+        "import torch, horovod.torch as hvd, train_llama\n"
+        "adamw_step, calls = torch.optim.AdamW.step, []\n"
+        "def failing_step(self, *args, **kwargs):\n"
+        "    calls.append(1)\n"
+        "    if hvd.rank() == 1 and len(calls) == 3:\n"
+        "        raise RuntimeError('rank 1 fails mid-run')\n"
+        "    return adamw_step(self, *args, **kwargs)\n"
+        "torch.optim.AdamW.step = failing_step\n"
+        "train_llama.main()\n")
+    result = mpirun(2, str(script), *TRAIN[1:], "--steps", "50", "--compression", "gift-nvfp4", timeout=180)
+    assert result.returncode != 0
+    assert "rank 1 fails mid-run" in result.stdout + result.stderr
+
+
+def test_restarted_processes_continue_bit_for_bit(tmp_path):
+    straight, first, resumed = tmp_path / "straight.pt", tmp_path / "first.pt", tmp_path / "resumed.pt"
+    common = [*TRAIN, "--compression", "gift-nvfp4"]
+    for args in ([*common, "--steps", "16", "--checkpoint", str(straight)],
+                 [*common, "--steps", "8", "--checkpoint", str(first)],
+                 [*common, "--steps", "16", "--resume", str(first), "--checkpoint", str(resumed)]):
+        result = mpirun(2, *args)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    a = torch.load(straight, weights_only=False)["model"]
+    b = torch.load(resumed, weights_only=False)["model"]
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs after the restart"
