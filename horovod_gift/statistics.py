@@ -54,7 +54,8 @@ class WhiteningStatistics:
             owner = i % n
             w.set_covariance(w.blend(packed[:-1].view(w.in_features, w.in_features) / tokens), refresh=owner == me)
             flat = w.factors_to_tensor() if owner == me else torch.empty(w.factor_numel())
-            updated.append((name, hvd.broadcast_async(flat, root_rank=owner, name=f"gift.factors.{name}",
+            root = self.process_set.ranks[owner] if self.process_set.ranks else owner   # Horovod wants a global rank
+            updated.append((name, hvd.broadcast_async(flat, root_rank=root, name=f"gift.factors.{name}",
                                                       process_set=self.process_set)))
         changed = {}
         for name, handle in updated:
