@@ -86,6 +86,17 @@ def chunk_bounds(total, n, align):
     return bounds
 
 
+def bucket_pieces(sizes, n, align):
+    """For each of n chunks of a bucket of tensors with these sizes: the (tensor index, lo, hi)
+    pieces it holds, in that tensor's own coordinates."""
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    return [[(i, max(start, offsets[i]) - offsets[i], min(end, offsets[i + 1]) - offsets[i])
+             for i in range(len(sizes)) if max(start, offsets[i]) < min(end, offsets[i + 1])]
+            for start, end in chunk_bounds(offsets[-1], n, align)]
+
+
 def mix_seed(*values):
     """A 31-bit seed from integers, the same in every process (hash of an int tuple is not salted)."""
     return hash(tuple(values)) & 0x7FFFFFFF
@@ -99,15 +110,7 @@ class BucketReduction:
         self.name, self.flats, self.codec, self.process_set = name, flats, codec, process_set
         self.residual1, self.residual2, self.average, self.step = residual1, residual2, average, step
         self.n, self.rank = process_set.size(), process_set.rank()
-        offsets = [0]
-        for f in flats:
-            offsets.append(offsets[-1] + f.numel())
-        self.total = offsets[-1]
-        # pieces[k]: (tensor index, lo, hi) in that tensor's coordinates, for chunk k
-        self.pieces = []
-        for start, end in chunk_bounds(self.total, self.n, codec.align):
-            self.pieces.append([(i, max(start, offsets[i]) - offsets[i], min(end, offsets[i + 1]) - offsets[i])
-                                for i in range(len(flats)) if max(start, offsets[i]) < min(end, offsets[i + 1])])
+        self.pieces = bucket_pieces([f.numel() for f in flats], self.n, codec.align)
         self.owned = sum(hi - lo for _, lo, hi in self.pieces[self.rank])
         self.bytes_sent = 0
         self.wait_seconds = 0.0          # blocked in hvd.synchronize

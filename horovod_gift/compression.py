@@ -22,7 +22,7 @@ import torch
 import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 
-from .collective import BucketReduction, Codec, allgather_object
+from .collective import BucketReduction, Codec, allgather_object, bucket_pieces
 from .config import check_codec
 from .statistics import WhiteningStatistics
 from .transforms import TRANSFORMS, TransformPlan
@@ -148,7 +148,7 @@ class GIFT(Compressor):
     def _start(self, bucket):
         names = self.buckets[bucket]
         flats = [self._u[n] if n in self._u else torch.zeros(self.params[n].numel()) for n in names]
-        residual1 = residual2 = None
+        residual1 = None
         if self.error_feedback:
             residual1 = [self.residual1.setdefault(n, torch.zeros_like(f)) for n, f in zip(names, flats)]
         reduction = BucketReduction(f"gift.b{bucket}", flats, self.codec, self.process_set, residual1, None,
@@ -202,8 +202,7 @@ class GIFT(Compressor):
         n, rank = self.process_set.size(), self.process_set.rank()
         for bucket, r2 in self.residual2.items():
             names = self.buckets[bucket]
-            flats = [torch.empty(self.params[nm].numel()) for nm in names]
-            pieces = BucketReduction("fold", flats, self.codec, self.process_set).pieces[rank]
+            pieces = bucket_pieces([self.params[nm].numel() for nm in names], n, self.codec.align)[rank]
             offset = 0
             for i, lo, hi in pieces:
                 r1 = self.residual1.setdefault(names[i], torch.zeros(self.params[names[i]].numel()))
