@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 NP ?= 2
 
-.PHONY: setup test test-unit test-mpi demo clean
+.PHONY: setup test test-unit test-mpi test-robustness demo clean
 
 setup:
 	@bash scripts/setup.sh
@@ -15,6 +15,9 @@ test-unit: setup
 
 test-mpi: setup
 	@bash scripts/run_tests.sh mpi
+
+test-robustness: setup
+	@bash scripts/run_tests.sh robustness
 
 demo: setup
 	@bash scripts/demo.sh

@@ -17,8 +17,10 @@ second stage in flight together. Tensors under `min_elements` take Horovod's fp3
 import hashlib
 import sys
 import time
+import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 
@@ -59,19 +61,23 @@ class GIFT(Compressor):
         self.codec = Codec(format, block_size, rounding, seed)
         self.transform, self.error_feedback, self.nonfinite = transform, error_feedback, nonfinite
         self.min_elements, self.process_set, self.verbose = min_elements, process_set, verbose
-        # Parameters frozen now and trained later take Horovod's fp32 path: buckets must not wait for them.
+        # Parameters frozen now and trained later take an fp32 path: buckets must not wait for them.
         self.params = dict(params)
+        self.frozen_at_start = sorted(n for n, p in params if not p.requires_grad)
+        self._late_reported = []
         self.statistics = WhiteningStatistics(model, dict(trainable), whitening_rank, damping, stat_every, process_set)
-        self.plan = TransformPlan(self.params, transform, format, self.statistics, hadamard_block, seed)
+        self.plan = TransformPlan(self.params, transform, self.statistics, hadamard_block, seed)
         compressed = [n for n, p in reversed(trainable) if p.numel() >= min_elements]   # backward order
         self.buckets = _fill_buckets(compressed, {n: self.params[n].numel() for n in compressed}, bucket_elements)
         self.bucket_of = {n: k for k, names in enumerate(self.buckets) for n in names}
         self.residual1, self.residual2 = {}, {}
         self.step = 0
+        self._verify = True
         self._grad_names = {}
         self._counters = dict(elements=0, bytes_sent=0, payload_bytes=0, uncompressed_elements=0,
                               seconds_in_gift=0.0, wait_seconds=0.0)
         self._reset_step()
+        _refuse_other_optimizers(self)
 
     # ---------------------------------------------------------------- Horovod's interface
     def compress(self, tensor=None):
@@ -95,6 +101,7 @@ class GIFT(Compressor):
         if not self._in_step:
             self._begin_step()
         self._outstanding += 1
+        self._sent.add(name)
         self._counters["elements"] += tensor.numel()
         if name not in self.bucket_of:
             self._counters["uncompressed_elements"] += tensor.numel()
@@ -127,17 +134,20 @@ class GIFT(Compressor):
 
     # ---------------------------------------------------------------- one step
     def _reset_step(self):
-        self._in_step, self._outstanding = False, 0
+        self._in_step, self._outstanding, self._sent = False, 0, set()
         self._u, self._shapes, self._reductions, self._results, self._exchanged = {}, {}, {}, {}, False
 
     def _begin_step(self):
         self._in_step = True
-        if self.step == 0:
+        if self._verify:
             self._check_ranks_agree()
+            self._verify = False
         self.statistics.current_step = self.step
+        # "auto" judges the candidates on the step after a refresh: there, as in the steps that follow,
+        # the whitening factors come from earlier batches (on the refresh step they fit the batch itself).
+        self.plan.evaluating = self.step >= 1 and self.statistics.due(self.step - 1)
         if self.statistics.due(self.step):
-            self.plan.evaluating = True
-            self._fold_second_stage_residuals()            # transforms may change this step
+            self._fold_second_stage_residuals()            # factors change this step
             changed = self.statistics.refresh()
             if changed:
                 for name, old_factors in changed.items():
@@ -181,6 +191,7 @@ class GIFT(Compressor):
         return self.plan.inverse(name, self._results[bucket][name]).view(shape).to(dtype)
 
     def _end_step(self):
+        self._average_unhooked()
         if self.plan.evaluating:
             self._fold_second_stage_residuals()
             self.plan.finish_vote(self._convert_residual)
@@ -188,6 +199,32 @@ class GIFT(Compressor):
         self.statistics.current_step = self.step
         self.plan.end_step()
         self._reset_step()
+
+    def _average_unhooked(self):
+        """Average, in fp32, the gradients of parameters that were frozen when the optimizer was wrapped
+        and are trainable now: Horovod hooks only the parameters trainable at construction, so without
+        this each rank would step with its own gradient and the replicas would drift apart."""
+        late = [n for n in self.frozen_at_start if self.params[n].requires_grad and n not in self._sent]
+        if not late:
+            return
+        if late != self._late_reported and self.verbose and hvd.rank() == 0:
+            print(f"[horovod-gift] parameters trainable since the optimizer was wrapped, averaged in fp32 by "
+                  f"GIFT: {', '.join(late)}", file=sys.stderr, flush=True)
+        self._late_reported = late
+        grads = []
+        for n in late:
+            p = self.params[n]
+            if p.grad is None:          # as Horovod does: another rank may have a gradient for it
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad.to(torch.float32).reshape(-1))
+        averaged = hvd.grouped_allreduce(grads, name=f"gift.unhooked.{self.step}", op=hvd.Average,
+                                         process_set=self.process_set)
+        for n, avg in zip(late, averaged):
+            p = self.params[n]
+            p.grad.copy_(avg.view(p.shape))
+            if self.nonfinite == "raise" and not torch.isfinite(avg).all():
+                raise FloatingPointError(f"GIFT: the averaged gradient of {n} is not finite "
+                                         "(a rank's gradient held NaN or Inf)")
 
     # ---------------------------------------------------------------- residuals
     def _scrub_residuals(self, reduction):
@@ -240,15 +277,19 @@ class GIFT(Compressor):
                     min_elements=self.min_elements, hadamard_block=self.plan.hadamard_block,
                     stat_every=self.statistics.stat_every, whitening_rank=self.statistics.rank,
                     nonfinite=self.nonfinite,
-                    buckets=hashlib.sha256(repr(self.buckets).encode()).hexdigest()[:16])
+                    model=_fingerprint((self.buckets, [(n, tuple(p.shape)) for n, p in self.params.items()])))
 
     def _check_ranks_agree(self):
-        configs = allgather_object(self.config(), "gift.config", self.process_set)
+        """Collective, at the first step and the first after load_state_dict: every rank raises the
+        same error if the configuration, the model's parameters or the step count differ."""
+        configs = allgather_object(dict(self.config(), step=self.step), "gift.config", self.process_set)
         if any(c != configs[0] for c in configs):
             diff = sorted({k for c in configs for k in c if c.get(k) != configs[0].get(k)})
+            hint = {"model": " (the model's parameter names or shapes, or the buckets, differ)",
+                    "step": " (load the compressor's state_dict on every rank, not only on one)"}
             raise ValueError("GIFT configuration differs across ranks in " + ", ".join(diff) + ": "
                              + "; ".join(f"rank {r}: " + ", ".join(f"{k}={c.get(k)!r}" for k in diff)
-                                         for r, c in enumerate(configs)))
+                                         for r, c in enumerate(configs)) + "".join(hint.get(k, "") for k in diff))
 
     # ---------------------------------------------------------------- telemetry and checkpoints
     def describe(self):
@@ -289,13 +330,46 @@ class GIFT(Compressor):
         self.statistics.current_step = self.step
         self.statistics.load_state_dict(state["statistics"])
         self.plan.load_state_dict(state["plan"])
+        self._verify = True
         self._reset_step()
+
+
+def _fingerprint(value):
+    return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
 
 
 def _frames(frame, depth):
     while frame is not None and depth > 0:
         yield frame
         frame, depth = frame.f_back, depth - 1
+
+
+_LIVE = weakref.WeakSet()     # GIFT instances in use; an optimizer stepping their parameters must use one
+_GUARD = []
+
+
+def _refuse_other_optimizers(gift):
+    """Before an optimizer steps a GIFT model's parameters, check that it is an hvd.DistributedOptimizer
+    with a GIFT compression: a plain optimizer (or other compression) would leave GIFT unused and every
+    rank stepping with its own, unaveraged gradient."""
+    if not _GUARD:
+        _GUARD.append(register_optimizer_step_pre_hook(_check_optimizer))
+    _LIVE.add(gift)
+    weakref.finalize(gift, gift.statistics.remove_hooks)
+
+
+def _check_optimizer(optimizer, args, kwargs):
+    if isinstance(getattr(optimizer, "_compression", None), GIFT):
+        return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for gift in list(_LIVE):
+        if any(id(p) in stepped for p in gift.params.values()):
+            kind = "a different compression" if hasattr(optimizer, "_compression") else "no Horovod wrapper"
+            raise RuntimeError(
+                f"GIFT: {type(optimizer).__name__}.step() updates the parameters of a model given to "
+                f"GIFT(model), with {kind}: their gradients would not be averaged by GIFT. Wrap it as "
+                "hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), "
+                "compression=<that GIFT instance>)")
 
 
 def _check_instance(obj):

@@ -14,11 +14,16 @@ class WhiteningStatistics:
         self.stat_every, self.rank, self.process_set = stat_every, rank, process_set
         self.whitening, self._sums, self._tokens = {}, {}, {}
         self.current_step = 0
+        self._handles = []
         for module_name, module in model.named_modules():
             weight = f"{module_name}.weight" if module_name else "weight"
             if isinstance(module, torch.nn.Linear) and weight in params:
                 self.whitening[weight] = InputWhitening(module.in_features, rank=rank, damping=damping)
-                module.register_forward_pre_hook(self._hook(weight))
+                self._handles.append(module.register_forward_pre_hook(self._hook(weight)))
+
+    def remove_hooks(self):
+        for handle in self._handles:
+            handle.remove()
 
     def _hook(self, name):
         def collect(module, inputs):

@@ -104,3 +104,70 @@ def test_odd_sizes_empty_noncontiguous_and_frozen_parameters():
         opt.step()
     assert all(torch.isfinite(w).all() for w in model.weights)
     assert_identical_on_all_ranks(list(model.weights), "odd-sized parameters")
+
+
+def test_parameter_that_becomes_trainable_mid_run():
+    model = TinyLM()
+    model.head.weight.requires_grad_(False)
+    compression = gift.GIFT(model, format="nvfp4", verbose=False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                   compression=compression)
+    local = []
+    frozen = model.head.weight.detach().clone()
+    for step in range(4):
+        if step == 2:
+            model.head.weight.requires_grad_(True)       # Horovod registered no hook for it
+            model.head.weight.register_hook(lambda g: local.append(g.clone()))
+        opt.zero_grad()
+        x, y = batch(step, hvd.rank())
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        opt.synchronize()
+        if step >= 2:
+            mean = sum(torch.from_numpy(g) for g in COMM.allgather(local[-1].double().numpy())) / COMM.size
+            assert torch.allclose(model.head.weight.grad.double(), mean, rtol=1e-5, atol=1e-7), \
+                "the newly trainable parameter's gradient is not the average over ranks"
+        with opt.skip_synchronize():
+            opt.step()
+    assert not torch.equal(model.head.weight, frozen), "the unfrozen parameter was not trained"
+    assert_identical_on_all_ranks(list(model.parameters()), "parameters after unfreezing")
+
+
+@pytest.mark.parametrize("wrapper", ["plain", "other compression"])
+def test_optimizer_that_bypasses_gift_raises_on_every_rank(wrapper):
+    model = TinyLM()
+    compression = gift.GIFT(model, format="nvfp4", verbose=False)   # made, then not passed to Horovod
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if wrapper != "plain":
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=hvd.Compression.fp16)
+    x, y = batch(0, hvd.rank())
+    torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    kind = "no Horovod wrapper" if wrapper == "plain" else "a different compression"
+    with pytest.raises(RuntimeError, match=f"SGD.step\\(\\) updates the parameters of a model given to GIFT\\(model\\), with {kind}"):
+        opt.step()
+    assert compression.step == 0, "GIFT ran although no optimizer used it"
+
+
+def test_models_that_differ_between_ranks_raise_everywhere():
+    model = TinyLM(hidden=128 if hvd.rank() == 0 else 96)
+    compression = gift.GIFT(model, format="nvfp4", verbose=False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                   compression=compression)
+    x, y = batch(0, hvd.rank())
+    with pytest.raises(ValueError, match="differs across ranks in model: .*parameter names or shapes"):
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()   # raised in Horovod's hook
+        opt.synchronize()
+
+
+def test_compressor_state_loaded_on_one_rank_only_raises_everywhere():
+    model = TinyLM()
+    compression = gift.GIFT(model, format="fp8_e4m3", verbose=False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                   compression=compression)
+    saved = {"step": 7, "config": compression.config(), "ranks": [{"residual1": {}, "residual2": {}}] * hvd.size(),
+             "statistics": compression.statistics.state_dict(), "plan": compression.plan.state_dict()}
+    if hvd.rank() == 0:
+        compression.load_state_dict(saved)
+    x, y = batch(0, hvd.rank())
+    with pytest.raises(ValueError, match=r"differs across ranks in step: rank 0: step=7.*on every rank"):
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()   # raised in Horovod's hook
+        opt.synchronize()

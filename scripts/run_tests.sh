@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Runs tests/ in one process, then mpi_tests/ under mpirun -np 2 and -np 4 (every rank runs every
-# test). Fails if any suite or any rank fails; kills and names a suite that hangs.
+# test), then the robustness campaign. Fails if any suite or any rank fails; every test runs under a
+# timeout, and a suite that hangs anyway is killed and named.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 which=${1:-all}
 MPI_SUITE_TIMEOUT=${MPI_SUITE_TIMEOUT:-900}
+MPI_TEST_TIMEOUT=${MPI_TEST_TIMEOUT:-120}   # per test; the longest takes about 15 s on 4 ranks here
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TRITON_INTERPRET=1   # kernels run in Triton's CPU interpreter here; a GPU run uses benchmarks/gpu_check.py
 mkdir -p .build
@@ -24,7 +26,7 @@ if [ "$which" = all ] || [ "$which" = mpi ]; then
     echo "=== mpi_tests/ under mpirun -np $np (every rank runs every test; rank 0 reports) ==="
     rm -f .build/mpi_tests-np$np-rank*.log
     timeout --kill-after=30 "$MPI_SUITE_TIMEOUT" \
-      bash scripts/mpirun.sh "$np" bash scripts/mpi_rank.sh ".build/mpi_tests-np$np" "$PY" -m pytest mpi_tests -q
+      bash scripts/mpirun.sh "$np" bash scripts/mpi_rank.sh ".build/mpi_tests-np$np" "$PY" -m pytest mpi_tests -q --timeout "$MPI_TEST_TIMEOUT"
     rc=$?
     if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
       echo "HUNG: mpi_tests/ under mpirun -np $np did not finish within ${MPI_SUITE_TIMEOUT}s and was killed."
@@ -34,6 +36,12 @@ if [ "$which" = all ] || [ "$which" = mpi ]; then
       failed+=("mpi_tests np=$np (exit $rc)")
     fi
   done
+fi
+
+if [ "$which" = all ] || [ "$which" = robustness ]; then
+  # The fault campaign on 2 ranks (about 3 minutes); `python benchmarks/robustness.py` also runs 4.
+  echo "=== benchmarks/robustness.py --nps 2 (bad input, rank disagreement, crashes; each case under a watchdog) ==="
+  "$PY" benchmarks/robustness.py --nps 2 || failed+=("robustness campaign")
 fi
 
 if [ ${#failed[@]} -gt 0 ]; then

@@ -2,6 +2,7 @@
 import pathlib
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -46,3 +47,20 @@ def test_restarted_processes_continue_bit_for_bit(tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name} differs after the restart"
+
+
+def test_a_hung_collective_ends_the_job_at_the_per_test_timeout(tmp_path):
+    test_file = tmp_path / "test_hang.py"
+    test_file.write_text(
+        "import torch, horovod.torch as hvd\n"
+        "def test_ranks_wait_for_different_collectives():\n"
+        "    hvd.init()\n"
+        "    hvd.allreduce(torch.ones(4), name=f'never.matched.{hvd.rank()}')\n")
+    start = time.monotonic()
+    result = mpirun(2, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider", "--timeout", "10",
+                    "--timeout-method", "thread",
+                    timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-2000:]
+    assert time.monotonic() - start < 90
+    assert "Timeout" in output and "test_ranks_wait_for_different_collectives" in output, output[-2000:]
