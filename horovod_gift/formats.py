@@ -15,6 +15,7 @@ import torch
 
 from horovod_gift.kernels import fp8, fused, nvfp4
 from horovod_gift.kernels.hadamard import hadamard_torch, hadamard_triton, random_signs_torch
+from horovod_gift.kernels.rounding import eager
 
 from .config import check_codec, runs_triton
 
@@ -62,16 +63,33 @@ COMPILE = os.environ.get("HOROVOD_GIFT_COMPILE", "1") != "0"
 
 
 @functools.cache
-def compiled(fn):
+def compiled(fn, *constants):
+    """fn(*tensors, *constants) under torch.compile, one graph per set of constants. The constants are
+    closed over and the tensors' sizes marked dynamic: Inductor then sees block sizes as fixed and
+    vectorizes over them (with dynamic=True they become symbolic and the code runs 7x slower)."""
     import torch._dynamo
-    # one compiled graph per format / scaling / rotation / feedback combination
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(fn, dynamic=True)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+
+    def run(*tensors):
+        return fn(*tensors, *constants)
+    graph = torch.compile(run)
+
+    def call(*tensors):
+        for t in tensors:     # sizes vary by tensor and bucket; small dims (ranks, scales) stay fixed
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] > 64:
+                torch._dynamo.maybe_mark_dynamic(t, t.dim() - 1)
+        return graph(*tensors)
+    return call
 
 
-def _torch_impl(fn, n, stochastic):
+def run_compiled(fn, tensors, constants=()):
+    """The stage runner of the torch references (kernels/*: `run`) for large CPU tensors."""
+    return compiled(fn, *constants)(*tensors)
+
+
+def _runner(n, stochastic):
     # stochastic rounding needs bit casts that Inductor's CPU vectorizer gets wrong: it stays eager
-    return compiled(fn) if COMPILE and n >= COMPILE_MIN_ELEMENTS and not stochastic else fn
+    return run_compiled if COMPILE and n >= COMPILE_MIN_ELEMENTS and not stochastic else eager
 
 
 @functools.lru_cache(maxsize=64)
@@ -86,9 +104,14 @@ def rotate(flat, rotation, inverse=False):
     block, seed = rotation
     if runs_triton(flat):
         return hadamard_triton(flat, block, seed, inverse)
-    compiled_ok = COMPILE and flat.numel() >= COMPILE_MIN_ELEMENTS
-    impl = compiled(hadamard_torch) if compiled_ok else hadamard_torch
-    return impl(flat, block, seed, inverse, random_signs(seed, flat.numel(), flat.device) if compiled_ok else None)
+    if COMPILE and flat.numel() >= COMPILE_MIN_ELEMENTS:
+        signs = random_signs(seed, flat.numel(), flat.device)
+        return compiled(_hadamard_with_signs, block, seed, inverse)(flat, signs)
+    return hadamard_torch(flat, block, seed, inverse)
+
+
+def _hadamard_with_signs(flat, signs, block, seed, inverse):
+    return hadamard_torch(flat, block, seed, inverse, signs)
 
 
 def quantize(flat, format, block_size=None, stochastic=False, seed=0, residual=None, rotation=None):
@@ -100,14 +123,15 @@ def quantize(flat, format, block_size=None, stochastic=False, seed=0, residual=N
         return fused.rotate_feedback_quantize_triton(flat, residual, format, block_size, rotation, seed, stochastic)
     if rotation is not None:
         flat = rotate(flat, rotation)
-    impl = _torch_impl(fused.rotate_feedback_quantize_torch, flat.numel(), stochastic)
-    return impl(flat, residual, format, block_size, None, seed, stochastic)
+    seed = seed if stochastic else 0            # unused by nearest rounding: one compiled graph for all seeds
+    return fused.rotate_feedback_quantize_torch(flat, residual, format, block_size, None, seed, stochastic,
+                                                run=_runner(flat.numel(), stochastic))
 
 
 def dequantize(codes, scales, tensor_scale, n, format, block_size=None):
     """Flat fp32 values of n quantized elements."""
     if not runs_triton(codes):
-        return _torch_impl(fused.decode_torch, n, False)(codes, scales, tensor_scale, n, format, block_size)
+        return fused.decode_torch(codes, scales, tensor_scale, n, format, block_size, run=_runner(n, False))
     if format == "nvfp4":
         return nvfp4.nvfp4_decode_triton(codes, scales, tensor_scale, n)
     return fp8.fp8_decode_triton(codes, scales, fp8.FORMATS[format], block_size)
@@ -139,4 +163,4 @@ def accumulate(codes, scales, tensor_scales, n, format, block_size=None):
     """fp32 sum, in order, of k payloads of n elements each: codes (k, bytes), scales (k, ...)."""
     if runs_triton(codes):
         return fused.accumulate_triton(codes, scales, tensor_scales, n, format, block_size)
-    return _torch_impl(fused.accumulate_torch, n, False)(codes, scales, tensor_scales, n, format, block_size)
+    return fused.accumulate_torch(codes, scales, tensor_scales, n, format, block_size, run=_runner(n, False))

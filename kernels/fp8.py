@@ -118,10 +118,9 @@ def fp8_encode_torch(x, fmt: FloatFormat, block_size, tensor_scale=None, seed=0,
     if block_size is None:
         scales, blocks = tensor_scale.reshape(1).to(torch.float32), x.view(1, n)
     else:
-        nblocks = -(-n // block_size)
-        blocks = torch.nn.functional.pad(x, (0, nblocks * block_size - n)).view(nblocks, block_size)
-        bad = ~torch.isfinite(blocks).all(dim=1)
-        scales = torch.where(bad, torch.full_like(blocks[:, 0], float("nan")), blocks.abs().amax(dim=1) / fmt.max)
+        blocks = _blocks(x, block_size)
+        amax = blocks.abs().amax(dim=1)          # NaN or inf exactly where the block holds a non-finite value
+        scales = torch.where(torch.isfinite(amax), amax / fmt.max, float("nan"))
     s = scales[:, None]
     usable = (s > 0) & (s < float("inf"))
     v = torch.where(usable, blocks / torch.where(usable, s, 1.0), 0.0)
@@ -134,10 +133,15 @@ def fp8_encode_torch(x, fmt: FloatFormat, block_size, tensor_scale=None, seed=0,
     return torch.where(codes == 0x80, 0, codes), scales  # no negative zero
 
 
+def _blocks(x, block_size):
+    nblocks = -(-x.numel() // block_size)
+    if nblocks * block_size != x.numel():
+        x = torch.nn.functional.pad(x, (0, nblocks * block_size - x.numel()))
+    return x.view(nblocks, block_size)
+
+
 def fp8_decode_torch(codes, scales, fmt: FloatFormat, block_size):
     values = codes.view(torch.float8_e4m3fn if fmt is E4M3 else torch.float8_e5m2).to(torch.float32)
     if block_size is None:
         return values * scales
-    n, nblocks = codes.numel(), scales.numel()
-    values = torch.nn.functional.pad(values, (0, nblocks * block_size - n)).view(nblocks, block_size)
-    return (values * scales[:, None]).reshape(-1)[:n]
+    return (_blocks(values, block_size) * scales[:, None]).reshape(-1)[:codes.numel()]

@@ -14,9 +14,9 @@ import triton.language as tl
 
 from .fp8 import FORMATS, fp8_decode_tile, fp8_decode_torch, fp8_encode_torch, fp8_quantize_tile, tensor_scale_torch, tile_shape
 from .hadamard import hadamard_tile, hadamard_torch, normalizer, random_signs
-from .nvfp4 import (nvfp4_decode_tile, nvfp4_decode_torch, nvfp4_encode_torch, nvfp4_quantize_tile,
-                    nvfp4_tensor_scale_torch, pack_nibbles)
-from .rounding import is_nonfinite
+from .nvfp4 import (nvfp4_codes_torch, nvfp4_decode_tile, nvfp4_decode_torch, nvfp4_quantize_tile,
+                    nvfp4_tensor_scale_torch, nvfp4_values_torch, pack_nibbles, pack_nibbles_torch, unpack_nibbles_torch)
+from .rounding import eager, is_nonfinite
 
 
 @triton.jit
@@ -133,40 +133,56 @@ def accumulate_triton(codes, scales, tensor_scales, n, fmt_name, block_size):
 
 
 # ---------------------------------------------------------------- torch references (the CPU path)
-def encode_torch(y, fmt_name, block_size, seed=0, stochastic=False, amax=None):
-    """Quantize flat fp32 y; amax (with inf for non-finite) may be passed when already known."""
-    if amax is None and (fmt_name == "nvfp4" or block_size is None):
+# Each takes `run`, which runs its stages: eagerly here, compiled stage by stage from formats.py
+# (dtype views between stages stay eager).
+def quantize_stage(y, residual, fmt_name, block_size, seed=0, stochastic=False):
+    """y (+ residual) -> unpacked codes, scales, tensor scale; the residual becomes the new error."""
+    if residual is not None:
+        y = y + residual
+    amax = None
+    if fmt_name == "nvfp4" or block_size is None:
         amax = y.abs().amax() if y.numel() else torch.zeros((), device=y.device)
         amax = torch.where(torch.isfinite(amax), amax, float("inf"))
     if fmt_name == "nvfp4":
         tensor_scale = nvfp4_tensor_scale_torch(amax).reshape(1)
-        codes, scales = nvfp4_encode_torch(y, tensor_scale, seed, stochastic)
+        codes, scales = nvfp4_codes_torch(y, tensor_scale, seed, stochastic)
+        if residual is not None:
+            residual.copy_(y - nvfp4_values_torch(codes, scales, tensor_scale)[:y.numel()])
         return codes, scales, tensor_scale
     fmt = FORMATS[fmt_name]
     tensor_scale = tensor_scale_torch(amax, fmt.max) if block_size is None else None
     codes, scales = fp8_encode_torch(y, fmt, block_size, tensor_scale, seed, stochastic)
+    if residual is not None:
+        residual.copy_(y - fp8_decode_torch(codes, scales, fmt, block_size))
     return codes, scales, None
 
 
-def decode_torch(codes, scales, tensor_scale, n, fmt_name, block_size):
-    if fmt_name == "nvfp4":
-        return nvfp4_decode_torch(codes, scales, tensor_scale, n)
-    return fp8_decode_torch(codes[:n], scales, FORMATS[fmt_name], block_size)
-
-
-def rotate_feedback_quantize_torch(x, residual, fmt_name, block_size, rotation=None, seed=0, stochastic=False):
+def rotate_feedback_quantize_torch(x, residual, fmt_name, block_size, rotation=None, seed=0, stochastic=False, run=eager):
     y = hadamard_torch(x, rotation[0], rotation[1]) if rotation else x
-    if residual is not None:
-        y = y + residual
-    codes, scales, tensor_scale = encode_torch(y, fmt_name, block_size, seed, stochastic)
-    if residual is not None:
-        residual.copy_(y - decode_torch(codes, scales, tensor_scale, y.numel(), fmt_name, block_size))
+    codes, scales, tensor_scale = run(quantize_stage, (y, residual), (fmt_name, block_size, seed, stochastic))
+    if fmt_name == "nvfp4":
+        codes = run(pack_nibbles_torch, (codes.view(torch.int16),))[: (y.numel() + 1) // 2]
     return codes, scales, tensor_scale
 
 
-def accumulate_torch(codes, scales, tensor_scales, n, fmt_name, block_size):
+def decode_torch(codes, scales, tensor_scale, n, fmt_name, block_size, run=eager):
+    if fmt_name == "nvfp4":
+        return nvfp4_decode_torch(codes, scales, tensor_scale, n, run)
+    return run(fp8_decode_torch, (codes[:n], scales), (FORMATS[fmt_name], block_size))
+
+
+def accumulate_stage(codes, scales, tensor_scales, n, fmt_name, block_size):
+    """Sum in rank order of k payloads; NVFP4 codes arrive unpacked, one byte per element."""
     total = torch.zeros(n, dtype=torch.float32, device=codes.device)
     for j in range(codes.shape[0]):
-        total += decode_torch(codes[j], scales[j], None if tensor_scales is None else tensor_scales[j],
-                              n, fmt_name, block_size)
+        if fmt_name == "nvfp4":
+            total += nvfp4_values_torch(codes[j], scales[j], tensor_scales[j])[:n]
+        else:
+            total += fp8_decode_torch(codes[j, :n], scales[j], FORMATS[fmt_name], block_size)
     return total
+
+
+def accumulate_torch(codes, scales, tensor_scales, n, fmt_name, block_size, run=eager):
+    if fmt_name == "nvfp4":
+        codes = run(unpack_nibbles_torch, (codes,)).view(torch.uint8)
+    return run(accumulate_stage, (codes, scales, tensor_scales, n), (fmt_name, block_size))

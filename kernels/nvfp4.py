@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import (E2M1, E4M3, decode_e2m1_torch, decode_float, encode_float, encode_float_torch, round_e2m1_nearest_torch,
+from .rounding import (E2M1, E4M3, decode_e2m1_torch, eager, decode_float, encode_float, encode_float_torch, round_e2m1_nearest_torch,
                        uniform_hash, uniform_hash_torch)
 
 BLOCK = 16
@@ -106,15 +106,17 @@ def nvfp4_tensor_scale_torch(amax):
 
 def _blocks(x):
     nblocks = -(-x.numel() // BLOCK)
-    return torch.nn.functional.pad(x, (0, nblocks * BLOCK - x.numel())).view(nblocks, BLOCK)
+    if nblocks * BLOCK != x.numel():      # a pad, even of nothing, costs compiled code a mask per load
+        x = torch.nn.functional.pad(x, (0, nblocks * BLOCK - x.numel()))
+    return x.view(nblocks, BLOCK)
 
 
 def nvfp4_block_denominators(scale_codes, tensor_scale):
     return scale_codes.view(torch.float8_e4m3fn).to(torch.float32) * tensor_scale
 
 
-def nvfp4_encode_torch(x, tensor_scale, seed=0, stochastic=False):
-    n = x.numel()
+def nvfp4_codes_torch(x, tensor_scale, seed=0, stochastic=False):
+    """Unpacked E2M1 codes (uint8, one per element, padded to whole blocks) and E4M3 scale codes."""
     blocks = _blocks(x)
     tensor_scale = tensor_scale.to(torch.float32).reshape(())
     t_usable = (tensor_scale > 0) & (tensor_scale < float("inf"))
@@ -128,13 +130,37 @@ def nvfp4_encode_torch(x, tensor_scale, seed=0, stochastic=False):
         codes = encode_float_torch(v, E2M1, uniform_hash_torch(seed, torch.arange(v.numel(), device=x.device)).view_as(v))
     else:
         codes = round_e2m1_nearest_torch(v)
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).reshape(-1)
-    return (packed if n % 32 == 0 else packed[: (n + 1) // 2]), scale_codes
+    return codes.to(torch.uint8).reshape(-1), scale_codes
 
 
-def nvfp4_decode_torch(packed, scale_codes, tensor_scale, n):
-    codes = torch.stack((packed & 15, packed >> 4), dim=1).reshape(-1).to(torch.int32)  # uint8 compares are slow in Inductor
-    codes = torch.nn.functional.pad(codes, (0, scale_codes.numel() * BLOCK - codes.numel()))
-    values = decode_e2m1_torch(codes).view(-1, BLOCK)
+def nvfp4_values_torch(codes, scale_codes, tensor_scale):
+    """fp32 values of unpacked codes (uint8, at least as many as the blocks need minus padding)."""
+    codes = codes.to(torch.int32)     # uint8 compares are slow in Inductor's CPU code
+    if codes.numel() != scale_codes.numel() * BLOCK:
+        codes = torch.nn.functional.pad(codes, (0, scale_codes.numel() * BLOCK - codes.numel()))
     denom = nvfp4_block_denominators(scale_codes, tensor_scale.to(torch.float32).reshape(()))
-    return (values * denom[:, None]).reshape(-1)[:n]
+    return (decode_e2m1_torch(codes).view(-1, BLOCK) * denom[:, None]).reshape(-1)
+
+
+# Packing works on code pairs seen as one little-endian int16 (x86 and ARM alike): a contiguous,
+# vectorizable op, where a stride-2 gather of even and odd elements is not. Those dtype views stay
+# outside torch.compile, whose CPU code for them is 5-20x slower.
+def pack_nibbles_torch(pairs):
+    """Bytes of code pairs given as int16 words (even element in the low byte): even code low nibble."""
+    return ((pairs & 15) | ((pairs >> 4) & 0xF0)).to(torch.uint8)
+
+
+def unpack_nibbles_torch(packed):
+    """int16 words whose two little-endian bytes are the codes of each packed byte."""
+    wide = packed.to(torch.int16)
+    return (wide & 15) | ((wide >> 4) << 8)
+
+
+def nvfp4_encode_torch(x, tensor_scale, seed=0, stochastic=False, run=eager):
+    codes, scale_codes = run(nvfp4_codes_torch, (x, tensor_scale), (seed, stochastic))
+    return run(pack_nibbles_torch, (codes.view(torch.int16),))[: (x.numel() + 1) // 2], scale_codes
+
+
+def nvfp4_decode_torch(packed, scale_codes, tensor_scale, n, run=eager):
+    codes = run(unpack_nibbles_torch, (packed,)).view(torch.uint8)
+    return run(nvfp4_values_torch, (codes, scale_codes, tensor_scale))[:n]

@@ -103,6 +103,11 @@ def decode_float(code, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.conste
 
 
 # ---------------------------------------------------------------- torch
+def eager(fn, tensors, constants=()):
+    """How a torch reference runs its stages; horovod_gift.formats passes one that compiles each."""
+    return fn(*tensors, *constants)
+
+
 def pow2_torch(e):
     return ((e + 127) << 23).to(torch.int32).view(torch.float32)
 

@@ -17,6 +17,7 @@ def test_compiled_equals_eager(compiled_path, fmt, block, rotation):
     n = 70_000 + 37                                      # a rotation tail and a partial block
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
     x[:3] = torch.tensor([0.0, 1e-30, -5e3])
+    x[64:96] = 0.0                                       # all-zero blocks
     results = []
     for use_compiled in (False, True):
         formats.COMPILE = use_compiled
@@ -26,3 +27,23 @@ def test_compiled_equals_eager(compiled_path, fmt, block, rotation):
         results.append([codes, scales.view(torch.uint8), residual, decoded])
     for name, eager, compiled in zip(("codes", "scales", "residual", "decoded"), *results):
         assert torch.equal(eager.view(torch.uint8), compiled.view(torch.uint8)), f"{name} differ"
+
+
+@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", 32), ("fp8_e5m2", None)])
+@pytest.mark.parametrize("n", [1 << 16, (1 << 16) + 17])
+def test_compiled_accumulate_and_nonfinite_equal_eager(compiled_path, fmt, block, n):
+    payloads = []
+    for k in range(3):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(k))
+        if k == 1:
+            x[100] = float("nan")                        # a non-finite block (FP8 per block) or tensor
+        payloads.append(formats.quantize(x, fmt, block))
+    codes = torch.stack([p[0] for p in payloads])
+    scales = torch.stack([p[1] for p in payloads])
+    tensor_scales = torch.cat([p[2] for p in payloads]) if fmt == "nvfp4" else None
+    results = []
+    for use_compiled in (False, True):
+        formats.COMPILE = use_compiled
+        results.append(formats.accumulate(codes, scales, tensor_scales, n, fmt, block))
+    assert torch.equal(results[0].view(torch.int32), results[1].view(torch.int32))
+    assert torch.isnan(results[1]).any() and torch.isfinite(results[1]).any() == (block is not None)
