@@ -52,7 +52,7 @@ def speed_table(n, repeats):
     rows = ["| codec | transform | error feedback | ms | ratio to fp16 round trip | target |", "|---|---|---|---|---|---|"]
     for fmt, block, rotation, target in (("fp8_e4m3", None, None, 2), ("fp8_e5m2", None, None, 2),
                                          ("fp8_e4m3", 32, None, 2), ("nvfp4", None, None, 3),
-                                         ("nvfp4", None, (128, 0), 3)):
+                                         ("nvfp4", None, (128, 0), 3), ("nvfp4", None, (16, 0), 3)):
         for feedback in (False, True):
             residual = torch.zeros(n) if feedback else None
 
@@ -63,7 +63,7 @@ def speed_table(n, repeats):
             base = median_time(lambda: x.half().float(), repeats)
             t = median_time(roundtrip, repeats)
             rows.append(f"| {fmt} {'per ' + str(block) if block else 'per tensor'} | "
-                        f"{'hadamard 128' if rotation else 'none'} | {'yes' if feedback else 'no'} | {t * 1e3:.1f} | "
+                        f"{f'hadamard {rotation[0]}' if rotation else 'none'} | {'yes' if feedback else 'no'} | {t * 1e3:.1f} | "
                         f"{t / base:.2f} (fp16 round trip {base * 1e3:.1f} ms) | <= {target} |")
     return rows
 

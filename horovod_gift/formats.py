@@ -8,6 +8,7 @@ decodes to NaN (so loss scalers see it), or encode raises with nonfinite="raise"
 """
 import functools
 import os
+import types
 from dataclasses import dataclass
 from typing import Optional
 
@@ -72,6 +73,11 @@ def compiled(fn, *constants):
 
     def run(*tensors):
         return fn(*tensors, *constants)
+    # A code object of its own per graph: Dynamo keeps what it learned about dynamic values per code
+    # object (and name), and a block size seen to change across graphs would turn symbolic.
+    name = f"{fn.__name__}_{'_'.join(map(str, constants))}".replace(".", "_").replace(" ", "")
+    run = types.FunctionType(run.__code__.replace(co_name=name, co_qualname=name), run.__globals__, name, None,
+                             run.__closure__)
     graph = torch.compile(run)
 
     def call(*tensors):
