@@ -148,19 +148,23 @@ def encode_float_torch(v, fmt: FloatFormat, noise=None):
 
 
 def round_e2m1_nearest_torch(v):
-    """E2M1 codes of finite v, round to nearest even and saturate, by comparisons alone (no bit
-    casts, which torch.compile's CPU backend mis-vectorizes). Equal to encode_float_torch(v, E2M1)."""
-    a = v.abs()
-    code = ((a > 0.25).to(torch.int32) + (a >= 0.75).to(torch.int32) + (a > 1.25).to(torch.int32)
-            + (a >= 1.75).to(torch.int32) + (a > 2.5).to(torch.int32) + (a >= 3.5).to(torch.int32)
-            + (a > 5.0).to(torch.int32))
+    """E2M1 codes of v, round to nearest even and saturate (NaN -> 0), without bit casts (which
+    torch.compile's CPU backend mis-vectorizes): the grid 0, .5, 1, 1.5 | 2, 3 | 4, 6 has steps .5,
+    1 and 2, so the code is an even-rounded multiple of the step plus an offset per range. Equal to
+    encode_float_torch(v, E2M1) for finite v."""
+    a = torch.nan_to_num(v.abs(), nan=0.0).clamp_max(6.0)
+    code = torch.where(a < 2.0, _round_even(a * 2.0), torch.where(a < 4.0, _round_even(a) + 2.0, _round_even(a * 0.5) + 4.0))
+    code = code.to(torch.int32)
     return torch.where((v < 0) & (code > 0), code + 8, code)
 
 
+def _round_even(t):
+    """Nearest integer, ties to even, for 0 <= t < 2**22."""
+    return (t + 12582912.0) - 12582912.0
+
+
 def decode_e2m1_torch(code):
-    """Values of E2M1 codes by comparisons alone (see round_e2m1_nearest_torch)."""
-    m = code & 7
-    value = 0.5 * ((m >= 1).to(torch.float32) + (m >= 2).to(torch.float32) + (m >= 3).to(torch.float32)
-                   + (m >= 4).to(torch.float32)) + (m >= 5).to(torch.float32) + (m >= 6).to(torch.float32) \
-        + 2.0 * (m >= 7).to(torch.float32)
+    """Values of E2M1 codes (see round_e2m1_nearest_torch)."""
+    m = (code & 7).to(torch.float32)
+    value = torch.where(m < 4.0, m * 0.5, torch.where(m < 6.0, m - 2.0, m * 2.0 - 8.0))
     return torch.where(code >= 8, -value, value)
