@@ -17,6 +17,7 @@ second stage in flight together. Tensors under `min_elements` take Horovod's fp3
 import hashlib
 import sys
 import time
+import warnings
 import weakref
 
 import torch
@@ -349,27 +350,35 @@ _GUARD = []
 
 
 def _refuse_other_optimizers(gift):
-    """Before an optimizer steps a GIFT model's parameters, check that it is an hvd.DistributedOptimizer
-    with a GIFT compression: a plain optimizer (or other compression) would leave GIFT unused and every
-    rank stepping with its own, unaveraged gradient."""
+    """Before an optimizer steps a GIFT model's parameters, check that it averages them: a plain
+    optimizer would leave every rank stepping with its own gradient, so it raises. A Horovod optimizer
+    with other compression averages them (a legitimate split, e.g. a second optimizer for some
+    parameters), so it only warns that GIFT does not compress what it steps."""
     if not _GUARD:
         _GUARD.append(register_optimizer_step_pre_hook(_check_optimizer))
     _LIVE.add(gift)
     weakref.finalize(gift, gift.statistics.remove_hooks)
 
 
+_WARNED = weakref.WeakSet()
+
+
 def _check_optimizer(optimizer, args, kwargs):
-    if isinstance(getattr(optimizer, "_compression", None), GIFT):
+    if isinstance(getattr(optimizer, "_compression", None), GIFT) or optimizer in _WARNED:
         return
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for gift in list(_LIVE):
-        if any(id(p) in stepped for p in gift.params.values()):
-            kind = "a different compression" if hasattr(optimizer, "_compression") else "no Horovod wrapper"
-            raise RuntimeError(
-                f"GIFT: {type(optimizer).__name__}.step() updates the parameters of a model given to "
-                f"GIFT(model), with {kind}: their gradients would not be averaged by GIFT. Wrap it as "
-                "hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), "
-                "compression=<that GIFT instance>)")
+    if not any(id(p) in stepped for gift in list(_LIVE) for p in gift.params.values()):
+        return
+    advice = ("wrap it as hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), "
+              "compression=<that GIFT instance>)")
+    if not hasattr(optimizer, "_compression"):
+        raise RuntimeError(f"GIFT: {type(optimizer).__name__}.step() updates the parameters of a model given to "
+                           f"GIFT(model) with no Horovod wrapper: their gradients are not averaged across ranks; "
+                           + advice)
+    warnings.warn(f"GIFT: {type(optimizer).__name__}.step() updates parameters of a model given to GIFT(model) "
+                  f"through Horovod with a different compression: GIFT does not compress them; to compress, "
+                  + advice, stacklevel=3)
+    _WARNED.add(optimizer)
 
 
 def _check_instance(obj):
