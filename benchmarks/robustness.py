@@ -215,8 +215,9 @@ def worker(args):
     for index, (category, name, run) in enumerate(cases(args.only)):
         if index < args.start:
             continue
-        if hvd.rank() == 0:
-            (out / "progress").write_text(json.dumps({"index": index, "since": time.time()}))
+        if hvd.rank() == 0:      # written whole, then renamed: the watchdog never reads half a file
+            (out / "progress.tmp").write_text(json.dumps({"index": index, "since": time.time()}))
+            os.replace(out / "progress.tmp", out / "progress")
         try:
             outcome = run()
         except Exception as e:
