@@ -34,6 +34,7 @@ CODECS = [("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", 32), ("nvfp4", No
 # terms (NVFP4: about 1.2); those bounds only catch gross corruption.
 BOUNDS = {"fp8_e4m3": 0.15, "fp8_e5m2": 0.35, "nvfp4": 0.8}
 WHITENED_BOUNDS = {"fp8_e4m3": 0.8, "fp8_e5m2": 1.7, "nvfp4": 2.5}
+ODD_SIZES = [0, 1, 15, 17, (1 << 20) + 3]
 VERDICTS = ["ok", "silent corruption", "rank disagreement", "unexpected error", "hang"]
 
 
@@ -97,10 +98,6 @@ def expect_error(run, pattern):
     return {"error": None, "expected": pattern}
 
 
-class OddSizes:
-    sizes = [0, 1, 15, 17, (1 << 20) + 3]
-
-
 def train(gift_kwargs, steps=3, poison=None, scale=1.0, skip_mlp_on_rank0=False, unfreeze_at=None, dtype="float32",
           odd_sizes=False, hidden=172, load_on_rank0=False, plain_optimizer=False):
     """A few steps of a one-block Llama (plus odd-sized parameters if asked); returns, per step and
@@ -114,7 +111,7 @@ def train(gift_kwargs, steps=3, poison=None, scale=1.0, skip_mlp_on_rank0=False,
     torch.manual_seed(0)
     model = Llama(LlamaConfig(dim=64, n_layers=1, n_heads=4, hidden_dim=hidden, max_seq_len=32))
     if odd_sizes:
-        model.odd = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(n)) for n in OddSizes.sizes)
+        model.odd = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(n)) for n in ODD_SIZES)
     model = model.to(getattr(torch, dtype))
     block = model.blocks[0]
     late = block.mlp.w_down.weight
@@ -125,8 +122,7 @@ def train(gift_kwargs, steps=3, poison=None, scale=1.0, skip_mlp_on_rank0=False,
     opt = base if plain_optimizer else hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                                                 compression=compression)
     if load_on_rank0:
-        state = {"step": 5, "config": compression.config(), "ranks": [{"residual1": {}, "residual2": {}}] * hvd.size(),
-                 "statistics": compression.statistics.state_dict(), "plan": compression.plan.state_dict()}
+        state = dict(compression.state_dict(), step=5)      # collective: every rank saves
         if hvd.rank() == 0:
             compression.load_state_dict(state)
     data = ByteBatches(CORPUS, seq_len=32, batch_size=4, rank=hvd.rank())

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import (E4M3, E5M2, FloatFormat, decode_float, encode_float,
+from .rounding import (E4M3, E5M2, FloatFormat, blocks_torch, decode_float, encode_float,
                        encode_float_torch, is_nonfinite, uniform_hash,
                        uniform_hash_torch)
 
@@ -118,7 +118,7 @@ def fp8_encode_torch(x, fmt: FloatFormat, block_size, tensor_scale=None, seed=0,
     if block_size is None:
         scales, blocks = tensor_scale.reshape(1).to(torch.float32), x.view(1, n)
     else:
-        blocks = _blocks(x, block_size)
+        blocks = blocks_torch(x, block_size)
         amax = blocks.abs().amax(dim=1)          # NaN or inf exactly where the block holds a non-finite value
         scales = torch.where(torch.isfinite(amax), amax / fmt.max, float("nan"))
     s = scales[:, None]
@@ -133,15 +133,8 @@ def fp8_encode_torch(x, fmt: FloatFormat, block_size, tensor_scale=None, seed=0,
     return torch.where(codes == 0x80, 0, codes), scales  # no negative zero
 
 
-def _blocks(x, block_size):
-    nblocks = -(-x.numel() // block_size)
-    if nblocks * block_size != x.numel():
-        x = torch.nn.functional.pad(x, (0, nblocks * block_size - x.numel()))
-    return x.view(nblocks, block_size)
-
-
 def fp8_decode_torch(codes, scales, fmt: FloatFormat, block_size):
     values = codes.view(torch.float8_e4m3fn if fmt is E4M3 else torch.float8_e5m2).to(torch.float32)
     if block_size is None:
         return values * scales
-    return (_blocks(values, block_size) * scales[:, None]).reshape(-1)[:codes.numel()]
+    return (blocks_torch(values, block_size) * scales[:, None]).reshape(-1)[:codes.numel()]

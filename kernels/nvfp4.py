@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import (E2M1, E4M3, decode_e2m1_torch, eager, decode_float, encode_float, encode_float_torch, round_e2m1_nearest_torch,
+from .rounding import (E2M1, E4M3, blocks_torch, decode_e2m1_torch, eager, decode_float, encode_float, encode_float_torch, round_e2m1_nearest_torch,
                        uniform_hash, uniform_hash_torch)
 
 BLOCK = 16
@@ -104,20 +104,13 @@ def nvfp4_tensor_scale_torch(amax):
     return torch.where(torch.isfinite(amax), amax / TENSOR_SCALE_DIVISOR, torch.full_like(amax, float("nan")))
 
 
-def _blocks(x):
-    nblocks = -(-x.numel() // BLOCK)
-    if nblocks * BLOCK != x.numel():      # a pad, even of nothing, costs compiled code a mask per load
-        x = torch.nn.functional.pad(x, (0, nblocks * BLOCK - x.numel()))
-    return x.view(nblocks, BLOCK)
-
-
 def nvfp4_block_denominators(scale_codes, tensor_scale):
     return scale_codes.view(torch.float8_e4m3fn).to(torch.float32) * tensor_scale
 
 
 def nvfp4_codes_torch(x, tensor_scale, seed=0, stochastic=False):
     """Unpacked E2M1 codes (uint8, one per element, padded to whole blocks) and E4M3 scale codes."""
-    blocks = _blocks(x)
+    blocks = blocks_torch(x, BLOCK)
     tensor_scale = tensor_scale.to(torch.float32).reshape(())
     t_usable = (tensor_scale > 0) & (tensor_scale < float("inf"))
     ratio = torch.where(t_usable, blocks.abs().amax(dim=1) / (tensor_scale * 6.0), 0.0)

@@ -108,6 +108,15 @@ def eager(fn, tensors, constants=()):
     return fn(*tensors, *constants)
 
 
+def blocks_torch(x, block_size):
+    """Flat x as (blocks, block_size) rows, zero-padded only when the last block is partial (a pad,
+    even of nothing, costs compiled code a mask on every load)."""
+    nblocks = -(-x.numel() // block_size)
+    if nblocks * block_size != x.numel():
+        x = torch.nn.functional.pad(x, (0, nblocks * block_size - x.numel()))
+    return x.view(nblocks, block_size)
+
+
 def pow2_torch(e):
     return ((e + 127) << 23).to(torch.int32).view(torch.float32)
 
@@ -137,7 +146,7 @@ def encode_float_torch(v, fmt: FloatFormat, noise=None):
         whole = torch.floor(units)
         rounded = whole + (noise < units - whole).to(torch.float32)
     else:
-        rounded = (units + 12582912.0) - 12582912.0
+        rounded = _round_even(units)
     q = torch.clamp_max(rounded * pow2_torch(e - fmt.mbits), fmt.max)
     qbits = q.view(torch.int32)
     qe = (qbits >> 23) - 127
