@@ -77,32 +77,52 @@ def hadamard_triton(x, block, seed, inverse=False):
 
 
 # ---------------------------------------------------------------- torch reference (the CPU path)
-def hadamard_rows_torch(x):
-    """Unnormalized Walsh-Hadamard transform of each row of a (rows, B) tensor."""
-    rows, b = x.shape
+def butterfly(items):
+    """Walsh-Hadamard butterflies over a list of 2**k tensors: strides 1, 2, 4, ... in that order."""
     h = 1
-    while h < b:
-        y = x.view(rows, b // (2 * h), 2, h)
-        x = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2).view(rows, b)
+    while h < len(items):
+        items = [items[i - h] - items[i] if i & h else items[i] + items[i + h] for i in range(len(items))]
         h *= 2
-    return x
+    return items
+
+
+def hadamard_rows_torch(x, norm=1.0, signs=None):
+    """Walsh-Hadamard transform of each row of a (rows, B) tensor, in the kernel's order, times norm,
+    then times signs (x's shape) if given. Each stage runs four levels on a list of 16 strided
+    views, so compiled code keeps them in registers: elementwise ops on whole views and no index
+    arithmetic (15 -> 3-5 ns an element). The last stage scales before it stacks: Inductor cannot
+    fuse a multiply into the stack's producers once the stack is built."""
+    rows, b = x.shape
+    stride = 1
+    while True:
+        group = min(16, b // stride)
+        shape = (rows, b // (stride * group), group, stride)
+        items = butterfly(list(x.reshape(shape).unbind(2)))
+        stride *= group
+        if stride >= b:
+            items = [item * norm for item in items]
+            if signs is not None:
+                items = [item * sign for item, sign in zip(items, signs.reshape(shape).unbind(2))]
+            return torch.stack(items, dim=2).reshape(rows, b)
+        x = torch.stack(items, dim=2).reshape(rows, b)
 
 
 def random_signs_torch(seed, start, length, device):
+    """+-1 as int8: a quarter of the memory traffic of fp32 signs, and x * sign is exact either way."""
     u = uniform_hash_torch(seed, torch.arange(start, start + length, device=device))
-    return torch.where(u < 0.5, -1.0, 1.0)
+    return torch.where(u < 0.5, -1, 1).to(torch.int8)
 
 
 def hadamard_torch(x, block, seed, inverse=False, signs=None):
     """signs: random_signs_torch(seed, 0, x.numel()) when the caller already has them."""
     if signs is None:
         signs = random_signs_torch(seed, 0, x.numel(), x.device)
-    out = torch.empty_like(x)
+    pieces = []
     for start, length, b in segments(x.numel(), block):
         piece, piece_signs = x[start:start + length], signs[start:start + length]
         if inverse:
-            y = hadamard_rows_torch(piece.view(-1, b)).reshape(-1) * normalizer(b) * piece_signs
+            y = hadamard_rows_torch(piece.view(-1, b), normalizer(b), piece_signs.view(-1, b))
         else:
-            y = hadamard_rows_torch((piece * piece_signs).view(-1, b)).reshape(-1) * normalizer(b)
-        out[start:start + length] = y
-    return out
+            y = hadamard_rows_torch((piece * piece_signs).view(-1, b), normalizer(b))
+        pieces.append(y.reshape(-1))
+    return torch.cat(pieces) if len(pieces) > 1 else (pieces[0] if pieces else x.clone())
