@@ -1,0 +1,103 @@
+"""Every Triton kernel variant the library launches compiles for NVIDIA GPUs, with no GPU here.
+
+The interpreter runs code that the GPU compiler rejects (../shared/reference/triton-portability.md),
+and CI never has a GPU. Triton compiles ahead of time without one (it ships its own ptxas), so this
+test drives the library's codec entry points on small CPU tensors with the kernels forced, records
+each launch instead of running it, and compiles every distinct (kernel, signature, constants) to a
+cubin for sm_90 (H100/H200) and sm_80 (A100). The compiled kernels run and are checked bit for bit
+against the torch references by benchmarks/gpu_check.py on a machine with a GPU.
+
+    .venv/bin/python tests/test_gpu_compile.py     # the same check, printing every variant
+"""
+import os
+import subprocess
+import sys
+
+import torch
+
+TARGETS = (("cuda", 90, 32), ("cuda", 80, 32))
+POINTER_TYPES = {torch.float32: "*fp32", torch.uint8: "*u8", torch.int32: "*i32", torch.int16: "*i16"}
+
+
+def record_launches(drive):
+    """The distinct launches that drive() makes, as (kernel, signature, constants)."""
+    from triton.runtime.jit import JITFunction
+    launches, original = {}, JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        values = dict(zip(self.arg_names, args), **kwargs)
+        signature, constants = {}, {}
+        for p in self.params:
+            value = values[p.name] if p.name in values else p.default
+            if p.is_constexpr:
+                signature[p.name], constants[p.name] = "constexpr", value
+            elif isinstance(value, torch.Tensor):
+                signature[p.name] = POINTER_TYPES[value.dtype]
+            elif isinstance(value, float):
+                signature[p.name] = "fp32"
+            else:
+                signature[p.name] = "i32" if -2 ** 31 <= int(value) < 2 ** 31 else "i64"
+        key = (self.fn.__name__, tuple(signature.items()), tuple(constants.items()))
+        launches.setdefault(key, (self, signature, constants))
+
+    JITFunction.run = record
+    try:
+        drive()
+    finally:
+        JITFunction.run = original
+    return list(launches.values())
+
+
+def drive_codec():
+    """Every codec path of the library, through its public entry points, with the kernels forced."""
+    from horovod_gift import formats
+    from horovod_gift.config import use_kernels
+    from horovod_gift.kernels import fp8, nvfp4
+    x = torch.randn(4096 + 128 + 37)
+    with use_kernels("triton"):
+        for fmt, block in (("nvfp4", None), ("fp8_e4m3", None), ("fp8_e4m3", 32), ("fp8_e5m2", None), ("fp8_e5m2", 16)):
+            for rotation in (None, (128, 1), (16, 1)):
+                for stochastic in (False, True):
+                    for residual in (None, torch.zeros_like(x)):
+                        codes, scales, tensor_scale = formats.quantize(x, fmt, block, stochastic, 3, residual, rotation)
+                        formats.dequantize(codes, scales, tensor_scale, x.numel(), fmt, block)
+            codes, scales, tensor_scale = formats.quantize(x, fmt, block)
+            formats.accumulate(torch.stack([codes] * 3), torch.stack([scales.reshape(-1)] * 3),
+                               None if tensor_scale is None else torch.cat([tensor_scale] * 3), x.numel(), fmt, block)
+        for inverse in (False, True):
+            formats.rotate(x, (128, 1), inverse)
+    for stochastic in (False, True):        # the stand-alone encoders that gpu_check.py also times
+        nvfp4.nvfp4_encode_triton(x, torch.ones(1), 3, stochastic)
+        for fmt, block in (("fp8_e4m3", None), ("fp8_e5m2", 32)):
+            fp8.fp8_encode_triton(x, fp8.FORMATS[fmt], block, None if block else torch.ones(1), 3, stochastic)
+
+
+def main():
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    launches = record_launches(drive_codec)
+    failures = []
+    for kernel, signature, constants in launches:
+        for target in TARGETS:
+            try:
+                triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget(*target))
+            except Exception as error:          # report every variant that fails, not just the first
+                failures.append(f"{kernel.fn.__name__} {constants} for sm_{target[1]}: {type(error).__name__}: {error}")
+        print(f"compiled {kernel.fn.__name__} {constants}", flush=True)
+    print(f"{len(launches)} kernel variants x {len(TARGETS)} targets, {len(failures)} failed", flush=True)
+    for failure in failures:
+        print("FAILED", failure)
+    return 1 if failures or not launches else 0
+
+
+def test_every_launched_kernel_compiles_for_sm90_and_sm80():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}   # compiled, not interpreted
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    count = int(done.stdout.strip().splitlines()[-1].split()[0])
+    assert count >= 20, f"only {count} kernel variants were launched: the driver missed codec paths"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
