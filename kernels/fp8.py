@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import (E4M3, E5M2, FloatFormat, blocks_torch, decode_float, encode_float,
+from .rounding import (E4M3, E5M2, EXACT_ARITHMETIC, FloatFormat, blocks_torch, decode_float, encode_float,
                        encode_float_torch, is_nonfinite, uniform_hash,
                        uniform_hash_torch)
 
@@ -91,7 +91,7 @@ def fp8_encode_triton(x, fmt: FloatFormat, block_size, tensor_scale=None, seed=0
     per_tensor = block_size is None
     scales = tensor_scale.reshape(1) if per_tensor else torch.empty(triton.cdiv(n, block), dtype=torch.float32, device=x.device)
     if n:
-        fp8_encode_kernel[grid](x, codes, scales, scales, n, seed, BLOCK=block, ROWS=rows, PER_TENSOR=per_tensor,
+        fp8_encode_kernel[grid](x, codes, scales, scales, n, seed, **EXACT_ARITHMETIC, BLOCK=block, ROWS=rows, PER_TENSOR=per_tensor,
                                 EBITS=fmt.ebits, MBITS=fmt.mbits, BIAS=fmt.bias, MAX=fmt.max, STOCHASTIC=stochastic)
     return codes, scales
 
@@ -101,7 +101,7 @@ def fp8_decode_triton(codes, scales, fmt: FloatFormat, block_size):
     out = torch.empty(n, dtype=torch.float32, device=codes.device)
     block, rows, grid = tile_shape(n, block_size)
     if n:
-        fp8_decode_kernel[grid](codes, scales, out, n, BLOCK=block, ROWS=rows, PER_TENSOR=block_size is None,
+        fp8_decode_kernel[grid](codes, scales, out, n, **EXACT_ARITHMETIC, BLOCK=block, ROWS=rows, PER_TENSOR=block_size is None,
                                 EBITS=fmt.ebits, MBITS=fmt.mbits, BIAS=fmt.bias)
     return out
 

@@ -16,7 +16,7 @@ from .fp8 import FORMATS, fp8_decode_tile, fp8_decode_torch, fp8_encode_torch, f
 from .hadamard import hadamard_tile, hadamard_torch, normalizer, random_signs
 from .nvfp4 import (nvfp4_quantize_torch, nvfp4_decode_tile, nvfp4_decode_torch, nvfp4_quantize_tile,
                     nvfp4_tensor_scale_torch, nvfp4_values_torch, pack_nibbles, pack_nibbles_torch, unpack_nibbles_torch)
-from .rounding import eager, is_nonfinite
+from .rounding import EXACT_ARITHMETIC, eager, is_nonfinite
 
 
 @triton.jit
@@ -81,7 +81,7 @@ def rotate_feedback_quantize_triton(x, residual, fmt_name, block_size, rotation=
         1 if block_size is None else nblocks, dtype=torch.float32, device=device)
     tensor_scale = torch.zeros(1, dtype=torch.float32, device=device)
     dummy = codes if residual is None else residual
-    common = dict(ROTATE=rotation is not None, FEEDBACK=residual is not None, NVFP4=nvfp4, PER_TENSOR=per_tensor,
+    common = dict(EXACT_ARITHMETIC, ROTATE=rotation is not None, FEEDBACK=residual is not None, NVFP4=nvfp4, PER_TENSOR=per_tensor,
                   ROWS=rows, HB=hb, LOG2_HB=hb.bit_length() - 1, QBLOCK=qblock, EBITS=fmt.ebits, MBITS=fmt.mbits,
                   BIAS=fmt.bias, MAX=fmt.max, STOCHASTIC=stochastic)
     rotation_seed, norm = (rotation[1], normalizer(hb)) if rotation else (0, 1.0)
@@ -126,7 +126,7 @@ def accumulate_triton(codes, scales, tensor_scales, n, fmt_name, block_size):
     if n:
         block, rows, grid = tile_shape(n, qblock)
         accumulate_kernel[grid](codes, scales, scales if tensor_scales is None else tensor_scales, out, n,
-                                codes.shape[0], codes.stride(0), scales.stride(0), NVFP4=nvfp4,
+                                codes.shape[0], codes.stride(0), scales.stride(0), **EXACT_ARITHMETIC, NVFP4=nvfp4,
                                 PER_TENSOR=block_size is None, ROWS=rows, QBLOCK=qblock,
                                 EBITS=fmt.ebits, MBITS=fmt.mbits, BIAS=fmt.bias)
     return out

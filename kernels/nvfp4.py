@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import (E2M1, E4M3, blocks_torch, decode_e2m1_torch, eager, decode_float, encode_float, encode_float_torch, round_e2m1_nearest_torch,
+from .rounding import (E2M1, E4M3, EXACT_ARITHMETIC, blocks_torch, decode_e2m1_torch, eager, decode_float, encode_float, encode_float_torch, round_e2m1_nearest_torch,
                        uniform_hash, uniform_hash_torch)
 
 BLOCK = 16
@@ -86,7 +86,8 @@ def nvfp4_encode_triton(x, tensor_scale, seed=0, stochastic=False):
     scale_codes = torch.empty(triton.cdiv(n, BLOCK), dtype=torch.uint8, device=x.device)
     if n:
         grid = (triton.cdiv(n, BLOCK * ROWS_PER_PROGRAM),)
-        nvfp4_encode_kernel[grid](x, packed, scale_codes, tensor_scale, n, seed, ROWS=ROWS_PER_PROGRAM, STOCHASTIC=stochastic)
+        nvfp4_encode_kernel[grid](x, packed, scale_codes, tensor_scale, n, seed, **EXACT_ARITHMETIC,
+                                  ROWS=ROWS_PER_PROGRAM, STOCHASTIC=stochastic)
     return packed, scale_codes
 
 
@@ -94,7 +95,7 @@ def nvfp4_decode_triton(packed, scale_codes, tensor_scale, n):
     out = torch.empty(n, dtype=torch.float32, device=packed.device)
     if n:
         grid = (triton.cdiv(n, BLOCK * ROWS_PER_PROGRAM),)
-        nvfp4_decode_kernel[grid](packed, scale_codes, tensor_scale, out, n, ROWS=ROWS_PER_PROGRAM)
+        nvfp4_decode_kernel[grid](packed, scale_codes, tensor_scale, out, n, **EXACT_ARITHMETIC, ROWS=ROWS_PER_PROGRAM)
     return out
 
 

@@ -3,13 +3,16 @@
 The interpreter runs code that the GPU compiler rejects (../shared/reference/triton-portability.md),
 and CI never has a GPU. Triton compiles ahead of time without one (it ships its own ptxas), so this
 test drives the library's codec entry points on small CPU tensors with the kernels forced, records
-each launch instead of running it, and compiles every distinct (kernel, signature, constants) to a
-cubin for sm_90 (H100/H200) and sm_80 (A100). The compiled kernels run and are checked bit for bit
-against the torch references by benchmarks/gpu_check.py on a machine with a GPU.
+each launch instead of running it, and compiles every distinct (kernel, signature, constants,
+options) to a cubin for sm_90 (H100/H200) and sm_80 (A100). The PTX must hold no fused multiply-add:
+one would round a * b + c once where the torch references round twice (the interpreter cannot show
+that). The compiled kernels run and are checked bit for bit against the torch references by
+benchmarks/gpu_check.py on a machine with a GPU.
 
     .venv/bin/python tests/test_gpu_compile.py     # the same check, printing every variant
 """
 import os
+import re
 import subprocess
 import sys
 
@@ -20,13 +23,14 @@ POINTER_TYPES = {torch.float32: "*fp32", torch.uint8: "*u8", torch.int32: "*i32"
 
 
 def record_launches(drive):
-    """The distinct launches that drive() makes, as (kernel, signature, constants)."""
+    """The distinct launches that drive() makes, as (kernel, signature, constants, compile options)."""
     from triton.runtime.jit import JITFunction
     launches, original = {}, JITFunction.run
 
     def record(self, *args, grid, warmup, **kwargs):
         values = dict(zip(self.arg_names, args), **kwargs)
         signature, constants = {}, {}
+        options = {k: v for k, v in kwargs.items() if k not in self.arg_names}
         for p in self.params:
             value = values[p.name] if p.name in values else p.default
             if p.is_constexpr:
@@ -37,8 +41,8 @@ def record_launches(drive):
                 signature[p.name] = "fp32"
             else:
                 signature[p.name] = "i32" if -2 ** 31 <= int(value) < 2 ** 31 else "i64"
-        key = (self.fn.__name__, tuple(signature.items()), tuple(constants.items()))
-        launches.setdefault(key, (self, signature, constants))
+        key = (self.fn.__name__, tuple(signature.items()), tuple(constants.items()), tuple(options.items()))
+        launches.setdefault(key, (self, signature, constants, options))
 
     JITFunction.run = record
     try:
@@ -78,12 +82,16 @@ def main():
     from triton.compiler import ASTSource
     launches = record_launches(drive_codec)
     failures = []
-    for kernel, signature, constants in launches:
+    for kernel, signature, constants, options in launches:
         for target in TARGETS:
+            name = f"{kernel.fn.__name__} {constants} for sm_{target[1]}"
             try:
-                triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget(*target))
+                ptx = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget(*target), options=options).asm["ptx"]
             except Exception as error:          # report every variant that fails, not just the first
-                failures.append(f"{kernel.fn.__name__} {constants} for sm_{target[1]}: {type(error).__name__}: {error}")
+                failures.append(f"{name}: {type(error).__name__}: {error}")
+                continue
+            if re.search(r"\bfma\.", ptx):
+                failures.append(f"{name}: the PTX holds fused multiply-adds (launch without enable_fp_fusion=False?)")
         print(f"compiled {kernel.fn.__name__} {constants}", flush=True)
     print(f"{len(launches)} kernel variants x {len(TARGETS)} targets, {len(failures)} failed", flush=True)
     for failure in failures:
