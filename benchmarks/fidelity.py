@@ -23,9 +23,10 @@ import horovod_gift as gift  # noqa: E402
 from data import ByteBatches, read_corpus  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
 
-CODECS = [("fp8_e5m2", None, "FP8 E5M2, per tensor"), ("fp8_e4m3", None, "FP8 E4M3, per tensor"),
-          ("fp8_e4m3", 32, "FP8 E4M3, fp32 scale per 32"), ("nvfp4", None, "NVFP4")]
+CODECS = {"fp8_e5m2": ("fp8_e5m2", None, "FP8 E5M2, per tensor"), "fp8_e4m3": ("fp8_e4m3", None, "FP8 E4M3, per tensor"),
+          "fp8_e4m3/32": ("fp8_e4m3", 32, "FP8 E4M3, fp32 scale per 32"), "nvfp4": ("nvfp4", None, "NVFP4")}
 TRANSFORMS = ["none", "hadamard", "whiten-cholesky", "whiten-symmetric", "whiten-lowrank", "whiten-lowrank+hadamard"]
+ORACLE = ["none", "hadamard", "whiten-lowrank", "whiten-lowrank+hadamard"]     # what transform="auto" picks from
 
 
 def capture(args):
@@ -79,11 +80,11 @@ def transform_pair(kind, whitenings, rotation):
     return w.forward, w.inverse
 
 
-def measure(captured, rotation):
+def measure(captured, rotation, codecs, transforms):
     rows = []
     for step, layers in captured.items():
-        for fmt, block, label in CODECS:
-            for kind in TRANSFORMS:
+        for fmt, block, label in codecs:
+            for kind in transforms:
                 err2 = norm2 = uerr2 = unorm2 = dot = 0.0
                 worst, nbytes, numel, per_layer = 0.0, 0, 0, {}
                 for name, g, whitenings in layers:
@@ -118,7 +119,7 @@ def best_per_layer(rows, step, label, candidates):
                      for name in by_kind["none"]["per_layer"]}
 
 
-def report(rows, captured, losses, params, seconds, args):
+def report(rows, captured, losses, params, seconds, args, codecs, transforms):
     steps = sorted(captured)
     out = [f"# Fidelity on real gradients ({time.strftime('%Y-%m-%d')})", "",
            f"Model: examples/model.py Llama, dim {args.dim}, {args.layers} layers, {params / 1e6:.2f}M parameters, "
@@ -133,17 +134,17 @@ def report(rows, captured, losses, params, seconds, args):
            "| codec | transform | " + " | ".join(f"RelL2 @{s} | worst @{s}" for s in steps)
            + f" | cosine @{steps[-1]} | RelL2(u) @{steps[-1]} | bits/elem |",
            "|---|---|" + "---|---|" * len(steps) + "---|---|---|"]
-    for _, _, label in CODECS:
-        for kind in TRANSFORMS:
+    for _, _, label in codecs:
+        for kind in transforms:
             cells = [next(r for r in rows if r["step"] == s and r["codec"] == label and r["transform"] == kind)
                      for s in steps]
             out.append(f"| {label} | {kind} | " + " | ".join(f"{c['rel_l2']:.3e} | {c['worst']:.3e}" for c in cells)
                        + f" | {cells[-1]['cosine']:.5f} | {cells[-1]['rel_l2_u']:.3e} | {cells[-1]['bits']:.3f} |")
-    out += ["", "Per-layer oracle: each layer takes whichever of none / hadamard / whiten-lowrank / "
-            "whiten-lowrank+hadamard is best for it (what `transform=\"auto\"` aims at), energy-weighted:", "",
+    candidates = [t for t in ORACLE if t in transforms]
+    out += ["", f"Per-layer oracle: each layer takes whichever of {' / '.join(candidates)} is best for it (what "
+            "`transform=\"auto\"` aims at), energy-weighted:", "",
             "| codec | " + " | ".join(f"step {s}" for s in steps) + " |", "|---|" + "---|" * len(steps)]
-    candidates = ["none", "hadamard", "whiten-lowrank", "whiten-lowrank+hadamard"]
-    for _, _, label in CODECS:
+    for _, _, label in codecs:
         cells = []
         for s in steps:
             by_kind, best = best_per_layer(rows, s, label, candidates)
@@ -169,13 +170,19 @@ def main():
     p.add_argument("--ema", type=float, default=0.95, help="0: whiten with the current batch's covariance only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None)
+    p.add_argument("--codecs", nargs="+", choices=list(CODECS), default=list(CODECS))
+    p.add_argument("--transforms", nargs="+", default=TRANSFORMS,
+                   help="none, hadamard, whiten-<cholesky|symmetric|lowrank>, each optionally +hadamard")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fidelity.md"))
     args = p.parse_args()
+    if "none" not in args.transforms:
+        p.error("--transforms must include none (the baseline of every comparison)")
+    codecs = [CODECS[c] for c in args.codecs]
     torch.set_num_threads(2)
     t0 = time.perf_counter()
     captured, losses, params = capture(args)
-    rows = measure(captured, gift.HadamardRotation(block_size=128, seed=0))
-    text = report(rows, captured, losses, params, time.perf_counter() - t0, args)
+    rows = measure(captured, gift.HadamardRotation(block_size=128, seed=0), codecs, args.transforms)
+    text = report(rows, captured, losses, params, time.perf_counter() - t0, args, codecs, args.transforms)
     print(text)
     pathlib.Path(args.out).write_text(text)
 
