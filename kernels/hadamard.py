@@ -89,10 +89,25 @@ def butterfly(items):
 
 def hadamard_rows_torch(x, norm=1.0, signs=None):
     """Walsh-Hadamard transform of each row of a (rows, B) tensor, in the kernel's order, times norm,
-    then times signs (x's shape) if given. Each stage runs four levels on a list of 16 strided
-    views, so compiled code keeps them in registers: elementwise ops on whole views and no index
-    arithmetic (15 -> 3-5 ns an element). The last stage scales before it stacks: Inductor cannot
-    fuse a multiply into the stack's producers once the stack is built."""
+    then times signs (x's shape) if given. Two spellings of the same operations, so the same bits:
+    eager torch pays per op, so it runs one op per level on the whole tensor; compiled code runs
+    index arithmetic per element for that, so it gets lists of strided views instead."""
+    if torch.compiler.is_compiling():
+        return _hadamard_rows_listed(x, norm, signs)
+    rows, b = x.shape
+    h = 1
+    while h < b:
+        y = x.view(rows, b // (2 * h), 2, h)
+        x = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2).view(rows, b)
+        h *= 2
+    x = x * norm
+    return x if signs is None else x * signs
+
+
+def _hadamard_rows_listed(x, norm, signs):
+    """Each stage runs four levels on a list of 16 strided views, which Inductor keeps in registers:
+    elementwise ops on whole views, no index arithmetic (15 -> 3-5 ns an element). The last stage
+    scales before it stacks: Inductor cannot fuse a multiply into the stack's producers."""
     rows, b = x.shape
     stride = 1
     while True:

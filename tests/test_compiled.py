@@ -12,7 +12,7 @@ def compiled_path(monkeypatch):
 
 
 @pytest.mark.parametrize("fmt,block,rotation", [("nvfp4", None, (128, 5)), ("fp8_e4m3", None, None),
-                                                ("fp8_e5m2", 32, (16, 1))])
+                                                ("fp8_e5m2", 32, (16, 1)), ("nvfp4", None, (1024, 2))])
 def test_compiled_equals_eager(compiled_path, fmt, block, rotation):
     n = 70_000 + 37                                      # a rotation tail and a partial block
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
