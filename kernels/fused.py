@@ -14,7 +14,7 @@ import triton.language as tl
 
 from .fp8 import FORMATS, fp8_decode_tile, fp8_decode_torch, fp8_encode_torch, fp8_quantize_tile, tensor_scale_torch, tile_shape
 from .hadamard import hadamard_tile, hadamard_torch, normalizer, random_signs
-from .nvfp4 import (nvfp4_quantize_torch, nvfp4_decode_tile, nvfp4_decode_torch, nvfp4_quantize_tile,
+from .nvfp4 import (nvfp4_codes_torch, nvfp4_decode_tile, nvfp4_decode_torch, nvfp4_quantize_tile,
                     nvfp4_tensor_scale_torch, nvfp4_values_torch, pack_nibbles, pack_nibbles_torch, unpack_nibbles_torch)
 from .rounding import EXACT_ARITHMETIC, eager, is_nonfinite
 
@@ -145,8 +145,8 @@ def quantize_stage(y, residual, fmt_name, block_size, seed=0, stochastic=False):
         amax = torch.where(torch.isfinite(amax), amax, float("inf"))
     if fmt_name == "nvfp4":
         tensor_scale = nvfp4_tensor_scale_torch(amax).reshape(1)
-        codes, scales, _ = nvfp4_quantize_torch(y, tensor_scale, seed, stochastic)
-        if residual is not None:   # decoding the codes again is faster in compiled code than the dequantized output
+        codes, scales = nvfp4_codes_torch(y, tensor_scale, seed, stochastic)
+        if residual is not None:
             residual.copy_(y - nvfp4_values_torch(codes, scales, tensor_scale)[:y.numel()])
         return codes, scales, tensor_scale
     fmt = FORMATS[fmt_name]

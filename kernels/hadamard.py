@@ -71,8 +71,7 @@ def hadamard_triton(x, block, seed, inverse=False):
     for start, length, b in segments(x.numel(), block):
         rows = max(1, min(64, 4096 // b))
         grid = (triton.cdiv(length // b, rows),)
-        hadamard_kernel[grid](x, out, start, length, seed, normalizer(b), **EXACT_ARITHMETIC,
-                              INVERSE=inverse,
+        hadamard_kernel[grid](x, out, start, length, seed, normalizer(b), **EXACT_ARITHMETIC, INVERSE=inverse,
                               ROWS=rows, HB=b, LOG2_HB=b.bit_length() - 1)
     return out
 

@@ -109,9 +109,8 @@ def nvfp4_block_denominators(scale_codes, tensor_scale):
     return scale_codes.view(torch.float8_e4m3fn).to(torch.float32) * tensor_scale
 
 
-def nvfp4_quantize_torch(x, tensor_scale, seed=0, stochastic=False):
-    """Unpacked E2M1 codes (uint8, one per element, padded to whole blocks), E4M3 scale codes, and
-    the dequantized values (fp32, padded alike): the twin of nvfp4_quantize_tile."""
+def nvfp4_codes_torch(x, tensor_scale, seed=0, stochastic=False):
+    """Unpacked E2M1 codes (uint8, one per element, padded to whole blocks) and E4M3 scale codes."""
     blocks = blocks_torch(x, BLOCK)
     tensor_scale = tensor_scale.to(torch.float32).reshape(())
     t_usable = (tensor_scale > 0) & (tensor_scale < float("inf"))
@@ -123,10 +122,9 @@ def nvfp4_quantize_torch(x, tensor_scale, seed=0, stochastic=False):
     if stochastic:
         v = torch.nan_to_num(v, nan=0.0)     # non-finite only where the tensor scale is unusable
         codes = encode_float_torch(v, E2M1, uniform_hash_torch(seed, torch.arange(v.numel(), device=x.device)).view_as(v))
-        values = decode_e2m1_torch(codes)
     else:
-        codes, values = round_e2m1_nearest_torch(v)
-    return codes.to(torch.uint8).reshape(-1), scale_codes, (values * denom[:, None]).reshape(-1)
+        codes = round_e2m1_nearest_torch(v)
+    return codes.to(torch.uint8).reshape(-1), scale_codes
 
 
 def nvfp4_values_torch(codes, scale_codes, tensor_scale):
@@ -153,7 +151,7 @@ def unpack_nibbles_torch(packed):
 
 
 def nvfp4_encode_torch(x, tensor_scale, seed=0, stochastic=False, run=eager):
-    codes, scale_codes, _ = run(nvfp4_quantize_torch, (x, tensor_scale), (seed, stochastic))
+    codes, scale_codes = run(nvfp4_codes_torch, (x, tensor_scale), (seed, stochastic))
     return run(pack_nibbles_torch, (codes.view(torch.int16),))[: (x.numel() + 1) // 2], scale_codes
 
 

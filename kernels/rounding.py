@@ -162,19 +162,18 @@ def encode_float_torch(v, fmt: FloatFormat, noise=None):
 
 
 def round_e2m1_nearest_torch(v):
-    """E2M1 codes (int32) of v and their values, round to nearest even and saturate (NaN -> 0),
-    without bit casts (which torch.compile's CPU backend mis-vectorizes): the grid 0, .5, 1, 1.5 |
-    2, 3 | 4, 6 has steps .5, 1 and 2, so the code is an even-rounded multiple of the step plus an
-    offset per range. Codes equal encode_float_torch(v, E2M1) for finite v, values equal
-    decode_e2m1_torch(codes); returning both spares compiled code an int32 buffer of codes."""
+    """E2M1 codes (int32) of v, round to nearest even and saturate (NaN -> 0), without bit casts
+    (which torch.compile's CPU backend mis-vectorizes): the grid 0, .5, 1, 1.5 | 2, 3 | 4, 6 has
+    steps .5, 1 and 2, so the code is an even-rounded multiple of the step plus an offset per range.
+    One rounding with a per-range multiplier, and NaN sent to 0 by comparisons (nan_to_num compiles
+    to a scalar loop): the quantize stage with error feedback runs in 28-32 ms instead of 42-47 (1e7
+    elements). Equal to encode_float_torch(v, E2M1) for finite v."""
     a = v.abs()
     a = torch.where(a < 6.0, a, torch.where(a >= 6.0, 6.0, 0.0))   # NaN compares false both ways
     low, mid = a < 2.0, a < 4.0
     units = _round_even(a * torch.where(low, 2.0, torch.where(mid, 1.0, 0.5)))
-    magnitude = units * torch.where(low, 0.5, torch.where(mid, 1.0, 2.0))
     code = (units + torch.where(low, 0.0, torch.where(mid, 2.0, 4.0))).to(torch.int32)
-    negative = (v < 0) & (units > 0)
-    return torch.where(negative, code + 8, code), torch.where(negative, -magnitude, magnitude)
+    return torch.where((v < 0) & (code > 0), code + 8, code)
 
 
 def _round_even(t):
