@@ -100,8 +100,9 @@ def _runner(n, stochastic):
 
 @functools.lru_cache(maxsize=64)
 def random_signs(seed, n, device):
-    """The rotation's signs, kept per size: the integer hash is slow in eager torch and Inductor's
-    CPU vectorizer mistypes its shifts, so compiled code takes them as an input."""
+    """The rotation's signs, kept per size (every step rotates the same tensors): the integer hash is
+    slow in eager torch, and Inductor's CPU vectorizer mistypes its shifts, so compiled code takes
+    them as an input."""
     return random_signs_torch(seed, 0, n, device)
 
 
@@ -110,10 +111,10 @@ def rotate(flat, rotation, inverse=False):
     block, seed = rotation
     if runs_triton(flat):
         return hadamard_triton(flat, block, seed, inverse)
+    signs = random_signs(seed, flat.numel(), flat.device)
     if COMPILE and flat.numel() >= COMPILE_MIN_ELEMENTS:
-        signs = random_signs(seed, flat.numel(), flat.device)
         return compiled(_hadamard_with_signs, block, seed, inverse)(flat, signs)
-    return hadamard_torch(flat, block, seed, inverse)
+    return hadamard_torch(flat, block, seed, inverse, signs)
 
 
 def _hadamard_with_signs(flat, signs, block, seed, inverse):
