@@ -4,8 +4,9 @@
 
 Speed is a ratio to an fp32 -> fp16 -> fp32 cast round trip of the same tensor measured in the
 same run (1e7 elements, one thread), medians of repeated runs. With a transform, both of its
-directions are timed: rotate, encode, decode, rotate back. The CPU path is the torch
-reference under torch.compile (first call compiles; not timed).
+directions are timed: rotate, encode, decode, rotate back (in place, as the library does with the
+decoded sum). The CPU path is the torch reference under torch.compile (first call compiles; not
+timed).
 """
 import argparse
 import pathlib
@@ -70,7 +71,7 @@ def speed_table(n, repeats):
             def roundtrip():
                 codes, scales, tensor_scale = formats.quantize(x, fmt, block, residual=residual, rotation=rotation)
                 y = formats.dequantize(codes, scales, tensor_scale, n, fmt, block)
-                return formats.rotate(y, rotation, inverse=True) if rotation else y
+                return formats.rotate(y, rotation, inverse=True, out=y) if rotation else y
 
             t, base, ratio = paired_times(roundtrip, lambda: x.half().float(), repeats)
             rows.append(f"| {fmt} {'per ' + str(block) if block else 'per tensor'} | "

@@ -189,7 +189,7 @@ class GIFT(Compressor):
             self._counters["wait_seconds"] += reduction.wait_seconds
             self._scrub_residuals(reduction)
         shape, dtype = self._shapes[name]
-        return self.plan.inverse(name, self._results[bucket][name]).view(shape).to(dtype)
+        return self.plan.inverse(name, self._results[bucket].pop(name), in_place=True).view(shape).to(dtype)
 
     def _end_step(self):
         self._average_unhooked()

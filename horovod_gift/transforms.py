@@ -47,10 +47,12 @@ class TransformPlan:
         x = x.reshape(-1).contiguous()
         return rotate(x, (self.hadamard_block, self.seed)) if plan.endswith("hadamard") else x
 
-    def inverse(self, name, u, plan=None, factors=None):
-        """Flat fp32 gradient from flat fp32 u."""
+    def inverse(self, name, u, plan=None, factors=None, in_place=False):
+        """Flat fp32 gradient from flat fp32 u; in_place: u is not needed afterwards and may be overwritten."""
         plan = plan or self.choice[name]
-        x = rotate(u, (self.hadamard_block, self.seed), inverse=True) if plan.endswith("hadamard") else u
+        x = u
+        if plan.endswith("hadamard"):
+            x = rotate(u, (self.hadamard_block, self.seed), inverse=True, out=u if in_place else None)
         if plan.startswith("whiten"):
             w = self.statistics.whitening[name]
             x = w.inverse(x.view(-1, w.in_features), factors=factors).reshape(-1)
@@ -64,7 +66,7 @@ class TransformPlan:
         errors = []
         for plan in self.candidates(name):
             u = self.forward(name, g, plan)
-            back = self.inverse(name, codec.decode(codec.encode(u), u.numel()), plan)
+            back = self.inverse(name, codec.decode(codec.encode(u), u.numel()), plan, in_place=True)
             errors.append(float((back - flat).double().pow(2).sum()))
         self._errors[name] = torch.tensor(errors + [0.0] * (4 - len(errors)), dtype=torch.float64)
 

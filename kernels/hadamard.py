@@ -66,8 +66,9 @@ def segments(n, block):
     return pieces
 
 
-def hadamard_triton(x, block, seed, inverse=False):
-    out = torch.empty_like(x)
+def hadamard_triton(x, block, seed, inverse=False, out=None):
+    """out may be x itself: each program loads its blocks whole before it stores them."""
+    out = torch.empty_like(x) if out is None else out
     for start, length, b in segments(x.numel(), block):
         rows = max(1, min(64, 4096 // b))
         grid = (triton.cdiv(length // b, rows),)
@@ -132,12 +133,15 @@ def hadamard_torch(x, block, seed, inverse=False, signs=None):
     """signs: random_signs_torch(seed, 0, x.numel()) when the caller already has them."""
     if signs is None:
         signs = random_signs_torch(seed, 0, x.numel(), x.device)
-    pieces = []
-    for start, length, b in segments(x.numel(), block):
-        piece, piece_signs = x[start:start + length], signs[start:start + length]
-        if inverse:
-            y = hadamard_rows_torch(piece.view(-1, b), normalizer(b), piece_signs.view(-1, b))
-        else:
-            y = hadamard_rows_torch((piece * piece_signs).view(-1, b), normalizer(b))
-        pieces.append(y.reshape(-1))
+    pieces = [hadamard_blocks_torch(x[start:start + length], signs[start:start + length], b, inverse)
+              for start, length, b in segments(x.numel(), block)]
     return torch.cat(pieces) if len(pieces) > 1 else (pieces[0] if pieces else x.clone())
+
+
+def hadamard_blocks_torch(x, signs, block, inverse=False):
+    """The rotation of flat x, whose length is a multiple of block, with its signs."""
+    if inverse:
+        y = hadamard_rows_torch(x.view(-1, block), normalizer(block), signs.view(-1, block))
+    else:
+        y = hadamard_rows_torch((x * signs).view(-1, block), normalizer(block))
+    return y.reshape(-1)

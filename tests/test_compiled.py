@@ -47,3 +47,21 @@ def test_compiled_accumulate_and_nonfinite_equal_eager(compiled_path, fmt, block
         results.append(formats.accumulate(codes, scales, tensor_scales, n, fmt, block))
     assert torch.equal(results[0].view(torch.int32), results[1].view(torch.int32))
     assert torch.isnan(results[1]).any() and torch.isfinite(results[1]).any() == (block is not None)
+
+
+@pytest.mark.parametrize("block,inverse", [(128, False), (128, True), (16, True), (1 << 15, False)])
+def test_chunked_rotation_equals_eager_into_any_output(compiled_path, monkeypatch, block, inverse):
+    monkeypatch.setattr(formats, "ROTATE_CHUNK", 1 << 14)  # several chunks, a short last one and a tail
+    n = 70_000 + 37
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    formats.COMPILE = False
+    expected = formats.rotate(x, (block, 9), inverse)
+    formats.COMPILE = True
+    into = torch.full((n,), float("nan"))
+    in_place = x.clone()
+    results = {"new": formats.rotate(x, (block, 9), inverse), "into": formats.rotate(x, (block, 9), inverse, out=into),
+               "in place": formats.rotate(in_place, (block, 9), inverse, out=in_place)}
+    assert results["into"] is into and results["in place"] is in_place
+    for name, result in results.items():
+        assert torch.equal(result.view(torch.int32), expected.view(torch.int32)), f"{name}: differs from eager"
+    assert not torch.equal(expected, x)

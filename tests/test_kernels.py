@@ -60,7 +60,9 @@ def test_hadamard_forward_and_inverse(n, block):
     y = hadamard.hadamard_torch(x, block, seed=11)
     assert_same_bits(y, hadamard.hadamard_triton(x, block, seed=11), "rotated")
     back = hadamard.hadamard_torch(y, block, seed=11, inverse=True)
-    assert_same_bits(back, hadamard.hadamard_triton(y, block, seed=11, inverse=True), "rotated back")
+    in_place = y.clone()
+    assert hadamard.hadamard_triton(in_place, block, seed=11, inverse=True, out=in_place) is in_place
+    assert_same_bits(back, in_place, "rotated back in place")
 
 
 # The fused kernel rotates whole blocks only (formats.quantize rotates a tail first), so sizes
