@@ -206,3 +206,20 @@ def test_process_set_of_even_ranks():
         assert len(digests) == 1, "parameters differ inside the process set"
     finally:
         hvd.remove_process_set(process_set)
+
+
+def test_compiled_cpu_path_trains_bit_identical_to_eager(monkeypatch):
+    """The CPU fast path in real training (torch.compile; the rotation in chunks, the inverse in place
+    on the decoded sum): the same parameters, bit for bit, as eager torch, on every rank."""
+    from horovod_gift import formats
+    monkeypatch.setattr(formats, "COMPILE_MIN_ELEMENTS", 4096)     # TinyLM's weights: 4096-8192 elements
+    monkeypatch.setattr(formats, "ROTATE_CHUNK", 2048)
+    parameters = {}
+    for use_compiled in (False, True):
+        monkeypatch.setattr(formats, "COMPILE", use_compiled)
+        model, opt, compression = make("nvfp4", transform="hadamard")
+        run(model, opt, steps=6)
+        parameters[use_compiled] = [p.detach().clone() for p in model.parameters()]
+    for (name, _), eager, compiled in zip(TinyLM().named_parameters(), parameters[False], parameters[True]):
+        assert torch.equal(eager, compiled), f"{name}: compiled path differs from eager after 6 steps"
+    assert_identical_on_all_ranks(parameters[True], "parameters trained on the compiled path")
