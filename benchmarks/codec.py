@@ -11,6 +11,7 @@ timed).
 import argparse
 import pathlib
 import statistics
+import sys
 import time
 
 import torch
@@ -103,7 +104,7 @@ def main():
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "codec.md"))
     args = p.parse_args()
     text = [f"# Codec benchmark ({time.strftime('%Y-%m-%d')}, CPU, torch {torch.__version__})", "",
-            "Command: `.venv/bin/python benchmarks/codec.py`.", "",
+            f"Command: `{' '.join(['.venv/bin/python', 'benchmarks/codec.py', *sys.argv[1:]])}`.", "",
             f"## Error on i.i.d. Gaussian data ({2 ** 20} elements) against the reference floors "
             "(../shared/reference/gift-method.md)", ""] + fidelity_table(1 << 20)
     text += ["", f"## CPU speed: encode + decode (with a transform: rotate, encode, decode, rotate back) of {args.elements:.0e} fp32 elements, one thread", ""]
