@@ -102,6 +102,9 @@ def main():
                   lambda: hadamard.hadamard_triton(xg, block, 7, inverse), lambda: hadamard.hadamard_torch(xs, block, 7, inverse),
                   failures)
             rows.append(timed(f"hadamard {block}{' inverse' if inverse else ''}", lambda: hadamard.hadamard_triton(x, block, 7, inverse), 8 * n))
+        in_place = xg.clone()                   # as the library undoes the rotation of a decoded sum
+        check(f"hadamard {block} inverse in place ", lambda: hadamard.hadamard_triton(in_place, block, 7, True, in_place),
+              lambda: hadamard.hadamard_torch(xs, block, 7, True), failures)
     for fmt_name, block, rotation in (("nvfp4", None, (128, 1)), ("nvfp4", None, None), ("fp8_e4m3", 32, None),
                                       ("fp8_e4m3", 32, (128, 1)), ("fp8_e4m3", None, (128, 1))):
         label = f"fused {fmt_name}{' per ' + str(block) if block else ''}{' + hadamard' if rotation else ''} + feedback"
