@@ -132,13 +132,9 @@ class InputWhitening:
         f = self.factors if factors is None else factors
         if f is None:
             return g.clone()
-        y = g.to(torch.float32)
         if self.sqrt == "lowrank":
-            y = y / f["d_sqrt"]
-            y = y + ((y @ f["p"]) * f["c_minus"]) @ f["p"].t()
-        else:
-            y = y @ f["s_inv"].t()
-        return y.to(g.dtype)
+            return _lowrank_map(g, f, inverse=False).to(g.dtype)
+        return (g.to(torch.float32) @ f["s_inv"].t()).to(g.dtype)
 
     def inverse(self, u, factors=None):
         """G = u S^T (with the given factors, or the current ones)."""
@@ -146,12 +142,9 @@ class InputWhitening:
         f = self.factors if factors is None else factors
         if f is None:
             return u.clone()
-        y = u.to(torch.float32)
         if self.sqrt == "lowrank":
-            y = (y + ((y @ f["p"]) * f["c_plus"]) @ f["p"].t()) * f["d_sqrt"]
-        else:
-            y = y @ f["s"].t()
-        return y.to(u.dtype)
+            return _lowrank_map(u, f, inverse=True).to(u.dtype)
+        return (u.to(torch.float32) @ f["s"].t()).to(u.dtype)
 
     def whiten_activations(self, x):
         """S^{-1} x for each row x of a (tokens, in_features) batch: covariance ~ I after whitening."""
@@ -163,3 +156,21 @@ class InputWhitening:
     def load_state_dict(self, state):
         """Restores the factors as saved (not recomputed), so a resumed run continues bit for bit."""
         self.covariance, self.updates, self.factors = state["covariance"], state["updates"], state["factors"]
+
+
+# On CPU the low-rank map runs on blocks of whole rows of about this many elements: each block's
+# three passes stay in L2 (forward + inverse of 1024 x 256 ... 1024 x 4096: about 2x faster).
+ROW_BLOCK_ELEMENTS = 1 << 18
+
+
+def _lowrank_map(g, f, inverse):
+    """forward: G D^{-1/2} (I + P diag(c-) P^T);  inverse: G (I + P diag(c+) P^T) D^{1/2}. fp32 out."""
+    out = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+    rows = g.shape[0] if g.is_cuda else max(1, ROW_BLOCK_ELEMENTS // g.shape[1])
+    for start in range(0, g.shape[0], rows):
+        x, y = g[start:start + rows].to(torch.float32), out[start:start + rows]
+        if inverse:
+            torch.addmm(x, (x @ f["p"]) * f["c_plus"], f["p"].t(), out=y).mul_(f["d_sqrt"])
+        else:
+            torch.div(x, f["d_sqrt"], out=y).addmm_((y @ f["p"]) * f["c_minus"], f["p"].t())
+    return out

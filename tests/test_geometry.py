@@ -89,6 +89,21 @@ def test_whitening_inverse_undoes_forward(sqrt):
     assert torch.allclose(w.inverse(u), g, atol=1e-4, rtol=1e-4)
 
 
+def test_low_rank_map_in_row_blocks_equals_its_formula(monkeypatch):
+    """forward: G D^{-1/2} (I + P diag(c-) P^T); inverse: G (I + P diag(c+) P^T) D^{1/2}, worked out
+    in fp64 here, against the CPU path that runs in blocks of rows (several, and a short last one)."""
+    from horovod_gift import geometry
+    monkeypatch.setattr(geometry, "ROW_BLOCK_ELEMENTS", 64 * 7)
+    w = gift.InputWhitening(64, rank=16)
+    w.update(spiked_activations(n_in=64, tokens=5000))
+    g = torch.randn(30, 64, generator=torch.Generator().manual_seed(4))
+    f = {k: v.double() for k, v in w.factors.items()}
+    forward = (g.double() / f["d_sqrt"]) @ (torch.eye(64, dtype=torch.float64) + (f["p"] * f["c_minus"]) @ f["p"].t())
+    inverse = g.double() @ (torch.eye(64, dtype=torch.float64) + (f["p"] * f["c_plus"]) @ f["p"].t()) * f["d_sqrt"]
+    assert torch.allclose(w.forward(g).double(), forward, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(w.inverse(g).double(), inverse, rtol=1e-5, atol=1e-5)
+
+
 def test_whitening_statistic_is_an_ema_and_checks_shapes():
     w = gift.InputWhitening(4, rank=2, ema=0.5)
     a, b = torch.randn(100, 4), torch.randn(100, 4) * 3
