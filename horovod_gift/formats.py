@@ -141,6 +141,8 @@ def _rotate_into(flat, signs, out, block, inverse):
 
 
 def _rotate_in_place(flat, signs, block, inverse):
+    # its own graph rather than _rotate_into with out=flat: graph inputs that alias each other make
+    # Dynamo guard on, and compile for, that aliasing
     flat.copy_(hadamard_blocks_torch(flat, signs, block, inverse))
 
 

@@ -166,7 +166,7 @@ ROW_BLOCK_ELEMENTS = 1 << 18
 def _lowrank_map(g, f, inverse):
     """forward: G D^{-1/2} (I + P diag(c-) P^T);  inverse: G (I + P diag(c+) P^T) D^{1/2}. fp32 out."""
     out = torch.empty(g.shape, dtype=torch.float32, device=g.device)
-    rows = g.shape[0] if g.is_cuda else max(1, ROW_BLOCK_ELEMENTS // g.shape[1])
+    rows = max(1, g.shape[0] if g.is_cuda else ROW_BLOCK_ELEMENTS // max(1, g.shape[1]))
     for start in range(0, g.shape[0], rows):
         x, y = g[start:start + rows].to(torch.float32), out[start:start + rows]
         if inverse:
