@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from horovod_gift.kernels import fp8, fused, nvfp4
-from horovod_gift.kernels.hadamard import hadamard_blocks_torch, hadamard_torch, hadamard_triton, random_signs_torch
+from horovod_gift.kernels.hadamard import LANES, hadamard_blocks_torch, hadamard_torch, hadamard_triton, random_signs_torch, segments
 from horovod_gift.kernels.rounding import eager
 
 from .config import check_codec, runs_triton
@@ -106,7 +106,7 @@ def random_signs(seed, n, device):
     return random_signs_torch(seed, 0, n, device)
 
 
-# The compiled rotation runs on chunks of this many elements (a multiple of every block): the
+# The compiled rotation runs on chunks of this many elements (a multiple of every span): the
 # intermediates of one chunk stay in cache and come from the heap, where glibc maps and unmaps a
 # buffer the size of a large tensor on every call and faults in each of its pages (1e7 elements,
 # block 128: 44-60 ms a rotation whole, 20-27 ms in chunks of 2**20 into an existing tensor).
@@ -124,33 +124,50 @@ def rotate(flat, rotation, inverse=False, out=None):
         result = hadamard_torch(flat, block, seed, inverse, signs)
         return result if out is None else out.copy_(result)
     out = torch.empty_like(flat) if out is None else out
-    whole, chunk = flat.numel() // block * block, max(ROTATE_CHUNK, block)
-    for start in range(0, whole, chunk):
-        part = slice(start, min(whole, start + chunk))
-        if out is flat:
-            compiled(_rotate_in_place, block, inverse)(flat[part], signs[part])
-        else:
-            compiled(_rotate_into, block, inverse)(flat[part], signs[part], out[part])
-    if whole < flat.numel():
-        out[whole:] = hadamard_torch(flat[whole:], block, seed, inverse, signs[whole:])
+    for start, length, b, lanes in segments(flat.numel(), block):
+        if lanes == 1:      # the remainder, shorter than a span: a few small ops
+            piece = slice(start, start + length)
+            out[piece] = hadamard_blocks_torch(flat[piece].view(-1, b, 1), signs[piece].view(-1, b, 1), b, inverse).view(-1)
+            continue
+        chunk = max(ROTATE_CHUNK, b * lanes)
+        for first in range(start, start + length, chunk):
+            part = slice(first, min(start + length, first + chunk))
+            if out is flat:
+                compiled(_rotate_in_place, b, inverse)(*_spans((flat, signs), part, b))
+            else:
+                compiled(_rotate_into, b, inverse)(*_spans((flat, signs, out), part, b))
     return out
 
 
-def _rotate_into(flat, signs, out, block, inverse):
-    out.copy_(hadamard_blocks_torch(flat, signs, block, inverse))
+def _spans(tensors, part, block):
+    """(spans, block, LANES) views of part of each tensor, only the number of spans dynamic: given flat
+    tensors, Inductor cannot prove that the lanes of a span number LANES and loops over them."""
+    views = [t[part].view(-1, block, LANES) for t in tensors]
+    for view in views:
+        torch._dynamo.maybe_mark_dynamic(view, 0)
+    return views
 
 
-def _rotate_in_place(flat, signs, block, inverse):
-    # its own graph rather than _rotate_into with out=flat: graph inputs that alias each other make
+def _rotate_into(x, signs, out, block, inverse):
+    out.copy_(hadamard_blocks_torch(x, signs, block, inverse))
+
+
+def _rotate_in_place(x, signs, block, inverse):
+    # its own graph rather than _rotate_into with out=x: graph inputs that alias each other make
     # Dynamo guard on, and compile for, that aliasing
-    flat.copy_(hadamard_blocks_torch(flat, signs, block, inverse))
+    x.copy_(hadamard_blocks_torch(x, signs, block, inverse))
+
+
+# The fused kernel holds a rotation's span in one tile; past this size it rotates in a pass of its own.
+FUSED_SPAN_MAX = 1 << 15
 
 
 def quantize(flat, format, block_size=None, stochastic=False, seed=0, residual=None, rotation=None):
     """The codec's one entry point on flat fp32 data: optional rotation (block, seed), optional
     error-feedback residual (updated in place), then quantization. Returns (codes, scales, tensor_scale)."""
     if runs_triton(flat):
-        if rotation is not None and flat.numel() % rotation[0]:
+        span = LANES * rotation[0] if rotation is not None else 1
+        if flat.numel() % span or span > FUSED_SPAN_MAX:
             flat, rotation = rotate(flat, rotation), None
         return fused.rotate_feedback_quantize_triton(flat, residual, format, block_size, rotation, seed, stochastic)
     if rotation is not None:

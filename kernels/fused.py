@@ -13,9 +13,9 @@ import triton
 import triton.language as tl
 
 from .fp8 import FORMATS, fp8_decode_tile, fp8_decode_torch, fp8_encode_torch, fp8_quantize_tile, tensor_scale_torch, tile_shape
-from .hadamard import hadamard_tile, hadamard_torch, normalizer, random_signs
+from .hadamard import LANES, hadamard_tile, hadamard_torch, normalizer, random_signs
 from .nvfp4 import (nvfp4_codes_torch, nvfp4_decode_tile, nvfp4_decode_torch, nvfp4_quantize_tile,
-                    nvfp4_tensor_scale_torch, nvfp4_values_torch, pack_nibbles, pack_nibbles_torch, unpack_nibbles_torch)
+                    nvfp4_tensor_scale_torch, nvfp4_values_torch, pack_codes_torch, pack_nibbles, unpack_codes_torch)
 from .rounding import EXACT_ARITHMETIC, eager, is_nonfinite
 
 
@@ -23,15 +23,15 @@ from .rounding import EXACT_ARITHMETIC, eager, is_nonfinite
 def rotate_feedback_quantize_kernel(
         x_ptr, residual_ptr, codes_ptr, scales_ptr, tensor_scale_ptr, amax_ptr, n, seed, rotation_seed, norm,
         AMAX_ONLY: tl.constexpr, ROTATE: tl.constexpr, FEEDBACK: tl.constexpr, NVFP4: tl.constexpr,
-        PER_TENSOR: tl.constexpr, ROWS: tl.constexpr, HB: tl.constexpr, LOG2_HB: tl.constexpr,
+        PER_TENSOR: tl.constexpr, ROWS: tl.constexpr, HB: tl.constexpr, LOG2_HB: tl.constexpr, LANES: tl.constexpr,
         QBLOCK: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr,
         STOCHASTIC: tl.constexpr):
     pid = tl.program_id(0)
-    offs = (pid * ROWS + tl.arange(0, ROWS))[:, None] * HB + tl.arange(0, HB)[None, :]
+    offs = (pid * ROWS + tl.arange(0, ROWS))[:, None] * (HB * LANES) + tl.arange(0, HB * LANES)[None, :]
     mask = offs < n
     y = tl.load(x_ptr + offs, mask=mask, other=0.0)
     if ROTATE:
-        y = hadamard_tile(y * random_signs(rotation_seed, offs), ROWS, HB, LOG2_HB) * norm
+        y = hadamard_tile(y * random_signs(rotation_seed, offs), ROWS, HB, LOG2_HB, LANES) * norm
     if FEEDBACK:
         y = y + tl.load(residual_ptr + offs, mask=mask, other=0.0)
     if AMAX_ONLY:
@@ -39,7 +39,7 @@ def rotate_feedback_quantize_kernel(
         bad = tl.max(tl.max(is_nonfinite(y).to(tl.int32), axis=1), axis=0)
         tl.store(amax_ptr + pid, tl.where(bad > 0, float("inf"), amax))
     else:
-        QROWS: tl.constexpr = ROWS * HB // QBLOCK
+        QROWS: tl.constexpr = ROWS * HB * LANES // QBLOCK
         qrows = pid * QROWS + tl.arange(0, QROWS)
         qoffs = tl.reshape(offs, (QROWS, QBLOCK))
         if NVFP4:
@@ -56,7 +56,7 @@ def rotate_feedback_quantize_kernel(
             if not PER_TENSOR:
                 tl.store(scales_ptr + qrows, scale, mask=qrows * QBLOCK < n)
         if FEEDBACK:
-            tl.store(residual_ptr + offs, y - tl.reshape(dequantized, (ROWS, HB)), mask=mask)
+            tl.store(residual_ptr + offs, y - tl.reshape(dequantized, (ROWS, HB * LANES)), mask=mask)
 
 
 def _quant_block(fmt_name, block_size):
@@ -65,15 +65,16 @@ def _quant_block(fmt_name, block_size):
 
 def rotate_feedback_quantize_triton(x, residual, fmt_name, block_size, rotation=None, seed=0, stochastic=False):
     """x: flat fp32; residual: flat fp32 updated in place, or None. rotation: (block, seed) or None;
-    the caller has checked that x.numel() is a multiple of the rotation block.
+    the caller has checked that x.numel() is a multiple of the rotation's span (LANES blocks).
     Returns (codes, scales, tensor_scale)."""
     n, device = x.numel(), x.device
     nvfp4 = fmt_name == "nvfp4"
     per_tensor = nvfp4 or block_size is None
     qblock = _quant_block(fmt_name, block_size)
-    hb = rotation[0] if rotation else qblock
-    rows = max(1, 4096 // max(hb, qblock)) * max(1, qblock // hb)
-    grid = (triton.cdiv(n, rows * hb),)
+    hb, lanes = (rotation[0], LANES) if rotation else (qblock, 1)
+    span = hb * lanes
+    rows = max(1, 4096 // max(span, qblock)) * max(1, qblock // span)
+    grid = (triton.cdiv(n, rows * span),)
     fmt = FORMATS.get(fmt_name, FORMATS["fp8_e4m3"])
     codes = torch.empty((n + 1) // 2 if nvfp4 else n, dtype=torch.uint8, device=device)
     nblocks = triton.cdiv(n, qblock)
@@ -82,7 +83,7 @@ def rotate_feedback_quantize_triton(x, residual, fmt_name, block_size, rotation=
     tensor_scale = torch.zeros(1, dtype=torch.float32, device=device)
     dummy = codes if residual is None else residual
     common = dict(EXACT_ARITHMETIC, ROTATE=rotation is not None, FEEDBACK=residual is not None, NVFP4=nvfp4, PER_TENSOR=per_tensor,
-                  ROWS=rows, HB=hb, LOG2_HB=hb.bit_length() - 1, QBLOCK=qblock, EBITS=fmt.ebits, MBITS=fmt.mbits,
+                  ROWS=rows, HB=hb, LOG2_HB=hb.bit_length() - 1, LANES=lanes, QBLOCK=qblock, EBITS=fmt.ebits, MBITS=fmt.mbits,
                   BIAS=fmt.bias, MAX=fmt.max, STOCHASTIC=stochastic)
     rotation_seed, norm = (rotation[1], normalizer(hb)) if rotation else (0, 1.0)
     if n == 0:
@@ -161,7 +162,7 @@ def rotate_feedback_quantize_torch(x, residual, fmt_name, block_size, rotation=N
     y = hadamard_torch(x, rotation[0], rotation[1]) if rotation else x
     codes, scales, tensor_scale = run(quantize_stage, (y, residual), (fmt_name, block_size, seed, stochastic))
     if fmt_name == "nvfp4":
-        codes = run(pack_nibbles_torch, (codes.view(torch.int16),))[: (y.numel() + 1) // 2]
+        codes = pack_codes_torch(codes, y.numel(), run)
     return codes, scales, tensor_scale
 
 
@@ -184,5 +185,5 @@ def accumulate_stage(codes, scales, tensor_scales, n, fmt_name, block_size):
 
 def accumulate_torch(codes, scales, tensor_scales, n, fmt_name, block_size, run=eager):
     if fmt_name == "nvfp4":
-        codes = run(unpack_nibbles_torch, (codes,)).view(torch.uint8)
+        codes = unpack_codes_torch(codes, run)
     return run(accumulate_stage, (codes, scales, tensor_scales, n), (fmt_name, block_size))

@@ -49,7 +49,7 @@ def test_compiled_accumulate_and_nonfinite_equal_eager(compiled_path, fmt, block
     assert torch.isnan(results[1]).any() and torch.isfinite(results[1]).any() == (block is not None)
 
 
-@pytest.mark.parametrize("block,inverse", [(128, False), (128, True), (16, True), (1 << 15, False)])
+@pytest.mark.parametrize("block,inverse", [(128, False), (128, True), (16, True), (1 << 12, False)])
 def test_chunked_rotation_equals_eager_into_any_output(compiled_path, monkeypatch, block, inverse):
     monkeypatch.setattr(formats, "ROTATE_CHUNK", 1 << 14)  # several chunks, a short last one and a tail
     n = 70_000 + 37
@@ -65,3 +65,21 @@ def test_chunked_rotation_equals_eager_into_any_output(compiled_path, monkeypatc
     for name, result in results.items():
         assert torch.equal(result.view(torch.int32), expected.view(torch.int32)), f"{name}: differs from eager"
     assert not torch.equal(expected, x)
+
+
+@pytest.mark.parametrize("use_compiled", [False, True])
+@pytest.mark.parametrize("n", [(1 << 16) + 6, (1 << 16) + 1])
+def test_nvfp4_decodes_payload_pieces_at_any_byte_offset(compiled_path, use_compiled, n):
+    """Packed codes are read as 4-byte words; a piece of a received payload may start at any byte and
+    end mid-word (n + 6: 3 bytes past a word; n + 1: an odd code count)."""
+    formats.COMPILE = use_compiled
+    x = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    codes, scales, tensor_scale = formats.quantize(x, "nvfp4")
+    expected = formats.dequantize(codes, scales, tensor_scale, n, "nvfp4")
+    for offset in (1, 2, 3):
+        payload = torch.zeros(codes.numel() + 8, dtype=torch.uint8)
+        payload[offset:offset + codes.numel()] = codes
+        payload[offset + codes.numel():] = 0xFF            # garbage past the piece must not leak in
+        piece = payload[offset:offset + codes.numel()]
+        decoded = formats.dequantize(piece, scales, tensor_scale, n, "nvfp4")
+        assert torch.equal(decoded.view(torch.int32), expected.view(torch.int32)), f"offset {offset}"

@@ -65,10 +65,10 @@ def test_hadamard_forward_and_inverse(n, block):
     assert_same_bits(back, in_place, "rotated back in place")
 
 
-# The fused kernel rotates whole blocks only (formats.quantize rotates a tail first), so sizes
-# with a rotation are multiples of its block.
+# The fused kernel rotates whole spans only (formats.quantize rotates a remainder first), so sizes
+# with a rotation are multiples of its span: 16 interleaved blocks.
 FUSED_SHAPES = [(n, None) for n in (1, 17, 4096 + 128, 100_096)] + [
-    (n, rotation) for rotation in ((128, 4), (16, 9)) for n in (4096 + 128, 100_096)]
+    (n, rotation) for rotation in ((128, 4), (16, 9)) for n in (4096 + 2048, 100_352)]
 
 
 @pytest.mark.parametrize("fmt,block", FP8_CASES + [("nvfp4", None)])
