@@ -25,6 +25,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 
+from horovod_gift.kernels.hadamard import LANES
+
 from .collective import BucketReduction, Codec, allgather_object, bucket_pieces
 from .config import check_codec
 from .statistics import WhiteningStatistics
@@ -274,9 +276,10 @@ class GIFT(Compressor):
                          "named_parameters() to hvd.DistributedOptimizer (sparse_as_dense is not supported)")
 
     def config(self):
+        # the rotation's layout too: saved residuals live in the rotated space, and ranks must agree on it
         return dict(format=self.codec.format, block_size=self.codec.block_size, rounding=self.codec.rounding,
                     seed=self.codec.seed, transform=self.transform, error_feedback=self.error_feedback,
-                    min_elements=self.min_elements, hadamard_block=self.plan.hadamard_block,
+                    min_elements=self.min_elements, hadamard_block=self.plan.hadamard_block, hadamard_interleave=LANES,
                     stat_every=self.statistics.stat_every, whitening_rank=self.statistics.rank,
                     nonfinite=self.nonfinite,
                     model=_fingerprint((self.buckets, [(n, tuple(p.shape)) for n, p in self.params.items()])))

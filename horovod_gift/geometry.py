@@ -24,7 +24,9 @@ SQUARE_ROOTS = ("lowrank", "cholesky", "symmetric")
 
 class HadamardRotation:
     """Orthonormal randomized Hadamard rotation on blocks of `block_size` (a power of two) of the
-    flattened tensor; a tail shorter than a block is rotated in smaller power-of-two blocks."""
+    flattened tensor. Each span of 16 * block_size elements holds 16 interleaved blocks (block j:
+    elements j, j + 16, ...); what is left after the last span is rotated in contiguous blocks, and a
+    tail shorter than a block in smaller power-of-two blocks (kernels/hadamard.py says why)."""
 
     def __init__(self, block_size=128, seed=0):
         if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):

@@ -57,14 +57,16 @@ def drive_codec():
     from horovod_gift import formats
     from horovod_gift.config import use_kernels
     from horovod_gift.kernels import fp8, nvfp4
-    x = torch.randn(4096 + 128 + 37)
+    x = torch.randn(4096 + 128 + 37)     # two spans of 16 x 128 and a remainder: rotated before quantizing
+    spans = torch.randn(4096)            # whole spans: the fused kernel rotates them itself
     with use_kernels("triton"):
         for fmt, block in (("nvfp4", None), ("fp8_e4m3", None), ("fp8_e4m3", 32), ("fp8_e5m2", None), ("fp8_e5m2", 16)):
             for rotation in (None, (128, 1), (16, 1)):
                 for stochastic in (False, True):
-                    for residual in (None, torch.zeros_like(x)):
-                        codes, scales, tensor_scale = formats.quantize(x, fmt, block, stochastic, 3, residual, rotation)
-                        formats.dequantize(codes, scales, tensor_scale, x.numel(), fmt, block)
+                    for data in (x, spans) if rotation else (x,):
+                        for residual in (None, torch.zeros_like(data)):
+                            codes, scales, tensor_scale = formats.quantize(data, fmt, block, stochastic, 3, residual, rotation)
+                            formats.dequantize(codes, scales, tensor_scale, data.numel(), fmt, block)
             codes, scales, tensor_scale = formats.quantize(x, fmt, block)
             formats.accumulate(torch.stack([codes] * 3), torch.stack([scales.reshape(-1)] * 3),
                                None if tensor_scale is None else torch.cat([tensor_scale] * 3), x.numel(), fmt, block)
