@@ -16,7 +16,8 @@ from typing import Optional
 import torch
 
 from horovod_gift.kernels import fp8, fused, nvfp4
-from horovod_gift.kernels.hadamard import LANES, hadamard_blocks_torch, hadamard_torch, hadamard_triton, random_signs_torch, segments
+from horovod_gift.kernels.hadamard import (LANES, hadamard_blocks_torch, hadamard_torch, hadamard_triton, random_signs_torch,
+                                           segments)
 from horovod_gift.kernels.rounding import eager
 
 from .config import check_codec, runs_triton
@@ -127,8 +128,8 @@ def rotate(flat, rotation, inverse=False, out=None):
     out = torch.empty_like(flat) if out is None else out
     for start, length, b, lanes in segments(flat.numel(), block):
         if lanes == 1:      # the remainder, shorter than a span: a few small ops
-            piece = slice(start, start + length)
-            out[piece] = hadamard_blocks_torch(flat[piece].view(-1, b, 1), signs[piece].view(-1, b, 1), b, inverse).view(-1)
+            x, s = (t[start:start + length].view(-1, b, 1) for t in (flat, signs))
+            out[start:start + length] = hadamard_blocks_torch(x, s, b, inverse).view(-1)
             continue
         chunk = max(ROTATE_CHUNK, b * lanes)
         for first in range(start, start + length, chunk):

@@ -155,8 +155,8 @@ def hadamard_torch(x, block, seed, inverse=False, signs=None):
     """signs: random_signs_torch(seed, 0, x.numel()) when the caller already has them."""
     if signs is None:
         signs = random_signs_torch(seed, 0, x.numel(), x.device)
-    pieces = [hadamard_blocks_torch(*(t[start:start + length].view(-1, b, lanes) for t in (x, signs)), b, inverse).reshape(-1)
-              for start, length, b, lanes in segments(x.numel(), block)]
+    pieces = [hadamard_blocks_torch(x[start:start + length].view(-1, b, lanes), signs[start:start + length].view(-1, b, lanes),
+                                    b, inverse).reshape(-1) for start, length, b, lanes in segments(x.numel(), block)]
     return torch.cat(pieces) if len(pieces) > 1 else (pieces[0] if pieces else x.clone())
 
 
