@@ -16,8 +16,7 @@ from typing import Optional
 import torch
 
 from horovod_gift.kernels import fp8, fused, nvfp4
-from horovod_gift.kernels.hadamard import (LANES, hadamard_blocks_torch, hadamard_torch, hadamard_triton, random_signs_torch,
-                                           segments)
+from horovod_gift.kernels.hadamard import LANES, hadamard_blocks_torch, hadamard_torch, hadamard_triton, random_signs_torch
 from horovod_gift.kernels.rounding import eager
 
 from .config import check_codec, runs_triton
@@ -126,18 +125,16 @@ def rotate(flat, rotation, inverse=False, out=None):
         result = hadamard_torch(flat, block, seed, inverse, signs)
         return result if out is None else out.copy_(result)
     out = torch.empty_like(flat) if out is None else out
-    for start, length, b, lanes in segments(flat.numel(), block):
-        if lanes == 1:      # the remainder, shorter than a span: a few small ops
-            x, s = (t[start:start + length].view(-1, b, 1) for t in (flat, signs))
-            out[start:start + length] = hadamard_blocks_torch(x, s, b, inverse).view(-1)
-            continue
-        chunk = max(ROTATE_CHUNK, b * lanes)
-        for first in range(start, start + length, chunk):
-            part = slice(first, min(start + length, first + chunk))
-            if out is flat:
-                compiled(_rotate_in_place, b, inverse)(*_spans((flat, signs), part, b))
-            else:
-                compiled(_rotate_into, b, inverse)(*_spans((flat, signs, out), part, b))
+    spans = flat.numel() // (LANES * block) * (LANES * block)
+    chunk = max(ROTATE_CHUNK, LANES * block)
+    for start in range(0, spans, chunk):
+        part = slice(start, min(spans, start + chunk))
+        if out is flat:
+            compiled(_rotate_in_place, block, inverse)(*_spans((flat, signs), part, block))
+        else:
+            compiled(_rotate_into, block, inverse)(*_spans((flat, signs, out), part, block))
+    if spans < flat.numel():        # the remainder, shorter than a span: a few small ops
+        out[spans:] = hadamard_torch(flat[spans:], block, seed, inverse, signs[spans:])
     return out
 
 
