@@ -68,10 +68,11 @@ class Codec:
             return codes, payload[c:c + s], payload[c + s:c + s + t].clone().view(torch.float32)
         return codes, payload[c:c + s].clone().view(torch.float32), None
 
-    def decode(self, payload, m):
+    def decode(self, payload, m, out=None):
+        """The m fp32 values of a payload, into out (m contiguous fp32 elements) if given."""
         if m == 0:
-            return torch.empty(0, dtype=torch.float32, device=payload.device)
-        return dequantize(*self.split(payload, m), m, self.format, self.block_size)
+            return torch.empty(0, dtype=torch.float32, device=payload.device) if out is None else out
+        return dequantize(*self.split(payload, m), m, self.format, self.block_size, out=out)
 
 
 def chunk_bounds(total, n, align):
@@ -148,7 +149,7 @@ class BucketReduction:
                                None if pieces[0][2] is None else torch.cat([p[2] for p in pieces]),
                                m, self.codec.format, self.codec.block_size)
             if self.average:
-                total = total / self.n
+                total.div_(self.n)
             residual = None if self.residual2 is None else self.residual2[offset:offset + m]
             parts.append(self.codec.encode(total, residual, mix_seed(self.codec.seed, self.step, self.rank, i, 2)))
             offset += m
@@ -165,7 +166,7 @@ class BucketReduction:
         for chunk in self.pieces:
             for i, lo, hi in chunk:
                 size = self.codec.payload_bytes(hi - lo)
-                out[i][lo:hi] = self.codec.decode(gathered[position:position + size], hi - lo)
+                self.codec.decode(gathered[position:position + size], hi - lo, out=out[i][lo:hi])
                 position += size
         return out
 

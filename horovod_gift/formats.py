@@ -190,13 +190,19 @@ def quantize(flat, format, block_size=None, stochastic=False, seed=0, residual=N
                                                 run=_runner(flat.numel(), stochastic))
 
 
-def dequantize(codes, scales, tensor_scale, n, format, block_size=None):
-    """Flat fp32 values of n quantized elements."""
+def dequantize(codes, scales, tensor_scale, n, format, block_size=None, out=None):
+    """Flat fp32 values of n quantized elements, written into out (a contiguous fp32 tensor of n
+    elements, e.g. a slice of the result) if given: a fresh tensor of over 32 MB costs a page fault
+    per 4 KB on CPU, and a copy out of it another pass over memory."""
+    if out is not None and (out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous()
+                            or out.device != codes.device):
+        raise ValueError(f"dequantize: out must be a contiguous float32 tensor of {n} elements on {codes.device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     if not runs_triton(codes):
-        return fused.decode_torch(codes, scales, tensor_scale, n, format, block_size, run=_runner(n, False))
+        return fused.decode_torch(codes, scales, tensor_scale, n, format, block_size, run=_runner(n, False), out=out)
     if format == "nvfp4":
-        return nvfp4.nvfp4_decode_triton(codes, scales, tensor_scale, n)
-    return fp8.fp8_decode_triton(codes, scales, fp8.FORMATS[format], block_size)
+        return nvfp4.nvfp4_decode_triton(codes, scales, tensor_scale, n, out)
+    return fp8.fp8_decode_triton(codes, scales, fp8.FORMATS[format], block_size, out)
 
 
 def encode(x, format="nvfp4", block_size=None, rounding="nearest", seed=0, nonfinite="nan", name="tensor"):

@@ -96,9 +96,9 @@ def fp8_encode_triton(x, fmt: FloatFormat, block_size, tensor_scale=None, seed=0
     return codes, scales
 
 
-def fp8_decode_triton(codes, scales, fmt: FloatFormat, block_size):
+def fp8_decode_triton(codes, scales, fmt: FloatFormat, block_size, out=None):
     n = codes.numel()
-    out = torch.empty(n, dtype=torch.float32, device=codes.device)
+    out = torch.empty(n, dtype=torch.float32, device=codes.device) if out is None else out
     block, rows, grid = tile_shape(n, block_size)
     if n:
         fp8_decode_kernel[grid](codes, scales, out, n, **EXACT_ARITHMETIC, BLOCK=block, ROWS=rows, PER_TENSOR=block_size is None,

@@ -166,10 +166,18 @@ def rotate_feedback_quantize_torch(x, residual, fmt_name, block_size, rotation=N
     return codes, scales, tensor_scale
 
 
-def decode_torch(codes, scales, tensor_scale, n, fmt_name, block_size, run=eager):
+def decode_torch(codes, scales, tensor_scale, n, fmt_name, block_size, run=eager, out=None):
+    """n decoded fp32 values, into out (n elements) if given."""
     if fmt_name == "nvfp4":
-        return nvfp4_decode_torch(codes, scales, tensor_scale, n, run)
-    return run(fp8_decode_torch, (codes[:n], scales), (FORMATS[fmt_name], block_size))
+        return nvfp4_decode_torch(codes, scales, tensor_scale, n, run, out)
+    if out is None:
+        return run(fp8_decode_torch, (codes[:n], scales), (FORMATS[fmt_name], block_size))
+    run(fp8_decode_into, (codes[:n], scales, out), (FORMATS[fmt_name], block_size))
+    return out
+
+
+def fp8_decode_into(codes, scales, out, fmt, block_size):
+    out.copy_(fp8_decode_torch(codes, scales, fmt, block_size))
 
 
 def accumulate_stage(codes, scales, tensor_scales, n, fmt_name, block_size):

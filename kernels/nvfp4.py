@@ -91,8 +91,8 @@ def nvfp4_encode_triton(x, tensor_scale, seed=0, stochastic=False):
     return packed, scale_codes
 
 
-def nvfp4_decode_triton(packed, scale_codes, tensor_scale, n):
-    out = torch.empty(n, dtype=torch.float32, device=packed.device)
+def nvfp4_decode_triton(packed, scale_codes, tensor_scale, n, out=None):
+    out = torch.empty(n, dtype=torch.float32, device=packed.device) if out is None else out
     if n:
         grid = (triton.cdiv(n, BLOCK * ROWS_PER_PROGRAM),)
         nvfp4_decode_kernel[grid](packed, scale_codes, tensor_scale, out, n, **EXACT_ARITHMETIC, ROWS=ROWS_PER_PROGRAM)
@@ -174,5 +174,14 @@ def nvfp4_encode_torch(x, tensor_scale, seed=0, stochastic=False, run=eager):
     return pack_codes_torch(codes, x.numel(), run), scale_codes
 
 
-def nvfp4_decode_torch(packed, scale_codes, tensor_scale, n, run=eager):
-    return run(nvfp4_values_torch, (unpack_codes_torch(packed, run), scale_codes, tensor_scale))[:n]
+def nvfp4_decode_torch(packed, scale_codes, tensor_scale, n, run=eager, out=None):
+    codes = unpack_codes_torch(packed, run)
+    if out is None:
+        return run(nvfp4_values_torch, (codes, scale_codes, tensor_scale))[:n]
+    run(nvfp4_values_into, (codes, scale_codes, tensor_scale, out))
+    return out
+
+
+def nvfp4_values_into(codes, scale_codes, tensor_scale, out):
+    """nvfp4_values_torch written into out (its first out.numel() values): one pass, no temporary."""
+    out.copy_(nvfp4_values_torch(codes, scale_codes, tensor_scale)[:out.numel()])

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import horovod_gift as gift
 from horovod_gift import formats
 
 
@@ -82,3 +83,24 @@ def test_nvfp4_decodes_payload_pieces_at_any_byte_offset(compiled_path, use_comp
         piece = payload[offset:offset + codes.numel()]
         decoded = formats.dequantize(piece, scales, tensor_scale, n, "nvfp4")
         assert torch.equal(decoded.view(torch.int32), expected.view(torch.int32)), f"offset {offset}"
+
+
+@pytest.mark.parametrize("path", ["eager", "compiled", "triton"])
+@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", 32), ("fp8_e5m2", None)])
+def test_decode_into_a_slice_writes_only_that_slice(compiled_path, path, fmt, block):
+    """The collective decodes each received piece straight into its place in the result."""
+    n = (1 << 13) + 37 if path == "triton" else (1 << 16) + 37
+    formats.COMPILE = path == "compiled"
+    x = torch.randn(n, generator=torch.Generator().manual_seed(6))
+    with gift.use_kernels("triton" if path == "triton" else "torch"):
+        payload = formats.quantize(x, fmt, block)
+        expected = formats.dequantize(*payload, n, fmt, block)
+        result = torch.full((n + 200,), float("nan"))
+        returned = formats.dequantize(*payload, n, fmt, block, out=result[100:100 + n])
+        assert returned.data_ptr() == result[100:].data_ptr()
+        assert torch.equal(result[100:100 + n].view(torch.int32), expected.view(torch.int32))
+        assert torch.isnan(result[:100]).all() and torch.isnan(result[100 + n:]).all(), "wrote outside its slice"
+        with pytest.raises(ValueError, match=f"contiguous float32 tensor of {n} elements"):
+            formats.dequantize(*payload, n, fmt, block, out=result[:n + 1])
+        with pytest.raises(ValueError, match="contiguous float32"):
+            formats.dequantize(*payload, n, fmt, block, out=torch.empty(n, dtype=torch.float64))
