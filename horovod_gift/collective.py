@@ -158,10 +158,12 @@ class BucketReduction:
         self._handle = hvd.allgather_async(mine, name=f"{self.name}.allgather", process_set=self.process_set)
         return self
 
-    def finish(self):
-        """The reduced tensors, flat fp32, identical on every rank."""
+    def finish(self, over_inputs=False):
+        """The reduced tensors, flat fp32, identical on every rank. over_inputs: written over the input
+        tensors, whose values start() has sent, instead of new ones: on CPU a new tensor of over 32 MB
+        costs a page fault per 4 KB (finish() of a 2**24-element tensor on 2 ranks: 80 -> 28 ms)."""
         gathered = self._wait(self._handle)
-        out = [torch.empty_like(f) for f in self.flats]
+        out = self.flats if over_inputs else [torch.empty_like(f) for f in self.flats]
         position = 0
         for chunk in self.pieces:
             for i, lo, hi in chunk:

@@ -186,7 +186,9 @@ class GIFT(Compressor):
         bucket = self.bucket_of[name]
         if bucket not in self._results:
             reduction = self._reductions[bucket]
-            self._results[bucket] = dict(zip(self.buckets[bucket], reduction.finish()))
+            # over the transformed gradients, some of them p.grad itself: Horovod's own allreduce_async_
+            # writes its result into p.grad too, and sets p.grad to what decompress returns
+            self._results[bucket] = dict(zip(self.buckets[bucket], reduction.finish(over_inputs=True)))
             self._counters["bytes_sent"] += reduction.bytes_sent
             self._counters["wait_seconds"] += reduction.wait_seconds
             self._scrub_residuals(reduction)

@@ -18,8 +18,10 @@ def local_tensor(n, seed):
 @pytest.mark.parametrize("fmt,block", CODECS)
 def test_matches_fp32_allreduce_within_codec_error(fmt, block):
     x = local_tensor(50_000, seed=1)
+    sent = x.clone()
     exact = hvd.allreduce(x, op=hvd.Average, name=f"exact.{fmt}.{block}")
     approx = gift.allreduce(x, name=f"ar.{fmt}.{block}", format=fmt, block_size=block)
+    assert torch.equal(x, sent), "gift.allreduce wrote over its input"
     assert approx.shape == x.shape and approx.dtype == x.dtype
     nmse = float(((approx - exact).norm() / exact.norm()) ** 2)
     # two quantization stages, each about the codec's single-stage error relative to its input;
