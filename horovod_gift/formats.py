@@ -82,9 +82,11 @@ def compiled(fn, *constants):
     graph = torch.compile(run)
 
     def call(*tensors):
-        for t in tensors:     # sizes vary by tensor and bucket; small dims (ranks, scales) stay fixed
+        for t in tensors:     # sizes vary by tensor and bucket; small dims (ranks, scales, a block's 16) stay fixed
             if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] > 64:
                 torch._dynamo.maybe_mark_dynamic(t, t.dim() - 1)
+            elif isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] > 64:     # (blocks, 16) rows
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         return graph(*tensors)
     return call
 

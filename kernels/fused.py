@@ -14,9 +14,10 @@ import triton.language as tl
 
 from .fp8 import FORMATS, fp8_decode_tile, fp8_decode_torch, fp8_encode_torch, fp8_quantize_tile, tensor_scale_torch, tile_shape
 from .hadamard import LANES, hadamard_tile, hadamard_torch, normalizer, random_signs
-from .nvfp4 import (nvfp4_codes_torch, nvfp4_decode_tile, nvfp4_decode_torch, nvfp4_quantize_tile,
+from .nvfp4 import BLOCK as NVFP4_BLOCK
+from .nvfp4 import (nvfp4_decode_tile, nvfp4_decode_torch, nvfp4_quantize_blocks_torch, nvfp4_quantize_tile,
                     nvfp4_tensor_scale_torch, nvfp4_values_torch, pack_codes_torch, pack_nibbles, unpack_codes_torch)
-from .rounding import EXACT_ARITHMETIC, eager, is_nonfinite
+from .rounding import EXACT_ARITHMETIC, blocks_torch, eager, is_nonfinite
 
 
 @triton.jit
@@ -140,16 +141,20 @@ def quantize_stage(y, residual, fmt_name, block_size, seed=0, stochastic=False):
     """y (+ residual) -> unpacked codes, scales, tensor scale; the residual becomes the new error."""
     if residual is not None:
         y = y + residual
-    amax = None
-    if fmt_name == "nvfp4" or block_size is None:
-        amax = y.abs().amax() if y.numel() else torch.zeros((), device=y.device)
-        amax = torch.where(torch.isfinite(amax), amax, float("inf"))
-    if fmt_name == "nvfp4":
-        tensor_scale = nvfp4_tensor_scale_torch(amax).reshape(1)
-        codes, scales = nvfp4_codes_torch(y, tensor_scale, seed, stochastic)
-        if residual is not None:
+    if fmt_name == "nvfp4":     # the tensor's amax is the largest block amax: one reduction pass, not two
+        blocks = blocks_torch(y, NVFP4_BLOCK)
+        block_amax = blocks.abs().amax(dim=1)
+        tensor_scale = nvfp4_tensor_scale_torch(_finite_or_inf(block_amax.amax() if y.numel() else
+                                                               torch.zeros((), device=y.device))).reshape(1)
+        codes, scales, values = nvfp4_quantize_blocks_torch(blocks, block_amax, tensor_scale, seed, stochastic)
+        if residual is not None and residual.dim() == 2:         # (blocks, 16) rows, as y
+            residual.copy_(blocks - values)
+        elif residual is not None:   # a padded last block: values from the codes (recomputing them would need a temporary)
             residual.copy_(y - nvfp4_values_torch(codes, scales, tensor_scale)[:y.numel()])
         return codes, scales, tensor_scale
+    amax = None
+    if block_size is None:
+        amax = _finite_or_inf(y.abs().amax() if y.numel() else torch.zeros((), device=y.device))
     fmt = FORMATS[fmt_name]
     tensor_scale = tensor_scale_torch(amax, fmt.max) if block_size is None else None
     codes, scales = fp8_encode_torch(y, fmt, block_size, tensor_scale, seed, stochastic)
@@ -158,8 +163,16 @@ def quantize_stage(y, residual, fmt_name, block_size, seed=0, stochastic=False):
     return codes, scales, None
 
 
+def _finite_or_inf(amax):
+    return torch.where(torch.isfinite(amax), amax, float("inf"))
+
+
 def rotate_feedback_quantize_torch(x, residual, fmt_name, block_size, rotation=None, seed=0, stochastic=False, run=eager):
     y = hadamard_torch(x, rotation[0], rotation[1]) if rotation else x
+    if fmt_name == "nvfp4" and y.numel() and y.numel() % NVFP4_BLOCK == 0:
+        # as (blocks, 16) rows: compiled code then indexes the residual as it does the blocks, and updates
+        # it in place in the codes' pass (seen flat, its index is taken modulo and it goes via a temporary)
+        y, residual = y.view(-1, NVFP4_BLOCK), None if residual is None else residual.view(-1, NVFP4_BLOCK)
     codes, scales, tensor_scale = run(quantize_stage, (y, residual), (fmt_name, block_size, seed, stochastic))
     if fmt_name == "nvfp4":
         codes = pack_codes_torch(codes, y.numel(), run)

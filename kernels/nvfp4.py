@@ -112,19 +112,28 @@ def nvfp4_block_denominators(scale_codes, tensor_scale):
 def nvfp4_codes_torch(x, tensor_scale, seed=0, stochastic=False):
     """Unpacked E2M1 codes (uint8, one per element, padded to whole blocks) and E4M3 scale codes."""
     blocks = blocks_torch(x, BLOCK)
+    codes, scale_codes, _ = nvfp4_quantize_blocks_torch(blocks, blocks.abs().amax(dim=1), tensor_scale, seed, stochastic)
+    return codes, scale_codes
+
+
+def nvfp4_quantize_blocks_torch(blocks, block_amax, tensor_scale, seed=0, stochastic=False):
+    """Codes (uint8, flat), scale codes and dequantized values (blocks' shape) of (blocks, 16) rows
+    whose amax per row the caller has (it also gives the tensor's amax: one pass over the data for
+    both). The values come with the codes, not from them: no second pass over data, codes, scales."""
     tensor_scale = tensor_scale.to(torch.float32).reshape(())
     t_usable = (tensor_scale > 0) & (tensor_scale < float("inf"))
-    ratio = torch.where(t_usable, blocks.abs().amax(dim=1) / (tensor_scale * 6.0), 0.0)
+    ratio = torch.where(t_usable, block_amax / (tensor_scale * 6.0), 0.0)
     scale_codes = ratio.clamp_max(E4M3.max).to(torch.float8_e4m3fn).view(torch.uint8)
     denom = nvfp4_block_denominators(scale_codes, tensor_scale)
     # dividing by inf gives the kernel's zeros for unusable blocks with no full-size mask
     v = blocks / torch.where((denom > 0) & (denom < float("inf")), denom, float("inf"))[:, None]
     if stochastic:
         v = torch.nan_to_num(v, nan=0.0)     # non-finite only where the tensor scale is unusable
-        codes = encode_float_torch(v, E2M1, uniform_hash_torch(seed, torch.arange(v.numel(), device=x.device)).view_as(v))
+        codes = encode_float_torch(v, E2M1, uniform_hash_torch(seed, torch.arange(v.numel(), device=blocks.device)).view_as(v))
+        values = decode_e2m1_torch(codes)
     else:
-        codes = round_e2m1_nearest_torch(v)
-    return codes.to(torch.uint8).reshape(-1), scale_codes
+        codes, values = round_e2m1_nearest_torch(v, with_values=True)
+    return codes.to(torch.uint8).reshape(-1), scale_codes, values * denom[:, None]
 
 
 def nvfp4_values_torch(codes, scale_codes, tensor_scale):

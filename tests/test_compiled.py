@@ -12,10 +12,11 @@ def compiled_path(monkeypatch):
     monkeypatch.setattr(formats, "COMPILE_MIN_ELEMENTS", 1 << 12)
 
 
-@pytest.mark.parametrize("fmt,block,rotation", [("nvfp4", None, (128, 5)), ("fp8_e4m3", None, None),
-                                                ("fp8_e5m2", 32, (16, 1)), ("nvfp4", None, (1024, 2))])
-def test_compiled_equals_eager(compiled_path, fmt, block, rotation):
-    n = 70_000 + 37                                      # a rotation tail and a partial block
+@pytest.mark.parametrize("fmt,block,rotation,n", [("nvfp4", None, (128, 5), 70_037), ("fp8_e4m3", None, None, 70_037),
+                                                  ("fp8_e5m2", 32, (16, 1), 70_037), ("nvfp4", None, (1024, 2), 70_037),
+                                                  ("nvfp4", None, None, 70_016), ("nvfp4", None, (128, 5), 1 << 16)])
+def test_compiled_equals_eager(compiled_path, fmt, block, rotation, n):
+    """n = 70_037: a rotation tail and a partial block; whole NVFP4 blocks take the (blocks, 16) path."""
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
     x[:3] = torch.tensor([0.0, 1e-30, -5e3])
     x[64:96] = 0.0                                       # all-zero blocks

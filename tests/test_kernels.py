@@ -71,14 +71,15 @@ FUSED_SHAPES = [(n, None) for n in (1, 17, 4096 + 128, 100_096)] + [
     (n, rotation) for rotation in ((128, 4), (16, 9)) for n in (4096 + 2048, 100_352)]
 
 
-@pytest.mark.parametrize("fmt,block", FP8_CASES + [("nvfp4", None)])
+@pytest.mark.parametrize("fmt,block,stochastic", [(f, b, True) for f, b in FP8_CASES] + [("fp8_e4m3", 32, False),
+                                                  ("nvfp4", None, True), ("nvfp4", None, False)])
 @pytest.mark.parametrize("n,rotation", FUSED_SHAPES)
-def test_fused_rotate_feedback_quantize(fmt, block, n, rotation):
+def test_fused_rotate_feedback_quantize(fmt, block, stochastic, n, rotation):
     x = sample(n, seed=3)
     r_ref = torch.randn(n, generator=torch.Generator().manual_seed(4)) * 0.01
     r_out = r_ref.clone()
-    ref = fused.rotate_feedback_quantize_torch(x, r_ref, fmt, block, rotation, seed=6, stochastic=True)
-    out = fused.rotate_feedback_quantize_triton(x, r_out, fmt, block, rotation, seed=6, stochastic=True)
+    ref = fused.rotate_feedback_quantize_torch(x, r_ref, fmt, block, rotation, seed=6, stochastic=stochastic)
+    out = fused.rotate_feedback_quantize_triton(x, r_out, fmt, block, rotation, seed=6, stochastic=stochastic)
     for name, a, b in zip(("codes", "scales", "tensor scale"), ref, out):
         assert_same_bits(a, b, name)
     assert_same_bits(r_ref, r_out, "updated residual")
@@ -99,7 +100,9 @@ def test_accumulate(fmt, block, n):
 
 
 def test_e2m1_comparison_rounding_equals_exact_arithmetic():
-    from horovod_gift.kernels.rounding import E2M1, encode_float_torch, round_e2m1_nearest_torch
+    from horovod_gift.kernels.rounding import E2M1, decode_e2m1_torch, encode_float_torch, round_e2m1_nearest_torch
     grid = torch.arange(-7.0, 7.0, 2.0 ** -6)              # every tie and every step, both signs
     v = torch.cat([grid, torch.tensor([0.0, -0.0, 1e-30, 6.0001, 1e30, -1e30])])
     assert torch.equal(round_e2m1_nearest_torch(v), encode_float_torch(v, E2M1))
+    codes, values = round_e2m1_nearest_torch(v, with_values=True)
+    assert torch.equal(values.view(torch.int32), decode_e2m1_torch(codes).view(torch.int32)), "values (or a zero's sign)"
