@@ -172,14 +172,13 @@ def round_e2m1_nearest_torch(v, with_values=False):
     a = v.abs()
     a = torch.where(a < 6.0, a, torch.where(a >= 6.0, 6.0, 0.0))   # NaN compares false both ways
     low, mid = a < 2.0, a < 4.0
-    step = torch.where(low, 2.0, torch.where(mid, 1.0, 0.5))
-    units = _round_even(a * step)
+    units = _round_even(a * torch.where(low, 2.0, torch.where(mid, 1.0, 0.5)))
     code = (units + torch.where(low, 0.0, torch.where(mid, 2.0, 4.0))).to(torch.int32)
     negative = (v < 0) & (code > 0)
     code = torch.where(negative, code + 8, code)
     if not with_values:
         return code
-    value = units * torch.where(low, 0.5, torch.where(mid, 1.0, 2.0))     # units / step, exactly
+    value = units * torch.where(low, 0.5, torch.where(mid, 1.0, 2.0))     # units times the step: exact
     return code, torch.where(negative, -value, value)
 
 
