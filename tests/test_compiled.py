@@ -81,6 +81,7 @@ def test_nvfp4_decodes_payload_pieces_at_any_byte_offset(compiled_path, use_comp
     for offset in (1, 2, 3):
         payload = torch.zeros(codes.numel() + 8, dtype=torch.uint8)
         payload[offset:offset + codes.numel()] = codes
+        payload[offset + codes.numel():] = 0xFF            # garbage past the piece must not leak in
         piece = payload[offset:offset + codes.numel()]
         decoded = formats.dequantize(piece, scales, tensor_scale, n, "nvfp4")
         assert torch.equal(decoded.view(torch.int32), expected.view(torch.int32)), f"offset {offset}"
