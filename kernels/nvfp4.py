@@ -132,7 +132,7 @@ def nvfp4_quantize_blocks_torch(blocks, block_amax, tensor_scale, seed=0, stocha
         codes = encode_float_torch(v, E2M1, uniform_hash_torch(seed, torch.arange(v.numel(), device=blocks.device)).view_as(v))
         values = decode_e2m1_torch(codes)
     else:
-        codes, values = round_e2m1_nearest_torch(v, with_values=True)
+        codes, values = round_e2m1_nearest_torch(v)
     return codes.to(torch.uint8).reshape(-1), scale_codes, values * denom[:, None]
 
 

@@ -161,14 +161,14 @@ def encode_float_torch(v, fmt: FloatFormat, noise=None):
     return torch.where(code == 0, 0, code | (sign << (fmt.ebits + fmt.mbits)))
 
 
-def round_e2m1_nearest_torch(v, with_values=False):
-    """E2M1 codes (int32) of v, round to nearest even and saturate (NaN -> 0), without bit casts
-    (which torch.compile's CPU backend mis-vectorizes): the grid 0, .5, 1, 1.5 | 2, 3 | 4, 6 has
+def round_e2m1_nearest_torch(v):
+    """E2M1 codes (int32) of v and their values, round to nearest even and saturate (NaN -> 0),
+    without bit casts (which torch.compile's CPU backend mis-vectorizes): the grid 0, .5, 1, 1.5 | 2, 3 | 4, 6 has
     steps .5, 1 and 2, so the code is an even-rounded multiple of the step plus an offset per range.
     One rounding with a per-range multiplier, and NaN sent to 0 by comparisons (nan_to_num compiles
     to a scalar loop): the quantize stage with error feedback runs in 28-32 ms instead of 42-47 (1e7
-    elements). Equal to encode_float_torch(v, E2M1) for finite v. with_values: also the codes'
-    values, as decode_e2m1_torch gives them, without a pass over the codes."""
+    elements). The codes equal encode_float_torch(v, E2M1) for finite v; the values are
+    decode_e2m1_torch's of them, computed here so the error-feedback residual needs no pass over the codes."""
     a = v.abs()
     a = torch.where(a < 6.0, a, torch.where(a >= 6.0, 6.0, 0.0))   # NaN compares false both ways
     low, mid = a < 2.0, a < 4.0
@@ -176,8 +176,6 @@ def round_e2m1_nearest_torch(v, with_values=False):
     code = (units + torch.where(low, 0.0, torch.where(mid, 2.0, 4.0))).to(torch.int32)
     negative = (v < 0) & (code > 0)
     code = torch.where(negative, code + 8, code)
-    if not with_values:
-        return code
     value = units * torch.where(low, 0.5, torch.where(mid, 1.0, 2.0))     # units times the step: exact
     return code, torch.where(negative, -value, value)
 
