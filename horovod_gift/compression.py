@@ -112,7 +112,7 @@ class GIFT(Compressor):
             plain = tensor if tensor.dtype in HOROVOD_DTYPES else tensor.to(torch.float32)
             return plain, ("plain", name, tensor.dtype)
         self.plan.record(name, tensor, self.codec)
-        self._u[name] = self.plan.forward(name, tensor)
+        self._u[name] = self.plan.forward(name, tensor, in_place=True)
         self._shapes[name] = (tensor.shape, tensor.dtype)
         bucket = self.bucket_of[name]
         if all(n in self._u for n in self.buckets[bucket]):

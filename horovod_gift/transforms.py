@@ -38,14 +38,20 @@ class TransformPlan:
             return ("none", "hadamard", "whiten", "whiten+hadamard")
         return ("none", "hadamard")
 
-    def forward(self, name, g, plan=None):
+    def forward(self, name, g, plan=None, in_place=False):
+        """Flat fp32 transformed gradient; in_place: g is not needed afterwards and may be overwritten
+        (a gradient of over 32 MB rotated into a new tensor costs a page fault per 4 KB on CPU)."""
         plan = plan or self.choice[name]
         x = g.detach().to(torch.float32)
+        owned = in_place or x.data_ptr() != g.data_ptr()
         if plan.startswith("whiten"):
             w = self.statistics.whitening[name]
-            x = w.forward(x.reshape(-1, w.in_features))
-        x = x.reshape(-1).contiguous()
-        return rotate(x, (self.hadamard_block, self.seed)) if plan.endswith("hadamard") else x
+            x, owned = w.forward(x.reshape(-1, w.in_features)), True
+        flat = x.reshape(-1).contiguous()
+        owned = owned or flat.data_ptr() != x.data_ptr()
+        if plan.endswith("hadamard"):
+            return rotate(flat, (self.hadamard_block, self.seed), out=flat if owned else None)
+        return flat
 
     def inverse(self, name, u, plan=None, factors=None, in_place=False):
         """Flat fp32 gradient from flat fp32 u; in_place: u is not needed afterwards and may be overwritten."""

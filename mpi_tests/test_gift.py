@@ -107,6 +107,27 @@ def test_error_feedback_makes_the_mean_converge():
     assert without[-1] > 0.8 * without[0], without
 
 
+@pytest.mark.parametrize("transform", ["none", "hadamard", "whiten+hadamard"])
+def test_the_average_lands_in_the_gradient_tensor(transform):
+    """Like Horovod's in-place allreduce, the average is written over p.grad (rotated in place on its
+    way out and back): same storage where the transform allows, and the average of every rank's gradient."""
+    layer = torch.nn.Linear(256, 64, bias=False)
+    compression = gift.GIFT(layer, format="fp8_e4m3", transform=transform, error_feedback=False, verbose=False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=0.0), named_parameters=[("w", layer.weight)],
+                                   compression=compression)
+    g = torch.randn(64, 256, generator=torch.Generator().manual_seed(hvd.rank())) * (1 + hvd.rank())
+    truth = hvd.allreduce(g, op=hvd.Average, name=f"in_place.truth.{transform}")
+    for _ in range(2):
+        layer.weight.grad = g.clone()
+        storage = layer.weight.grad.data_ptr()      # Horovod set_()s p.grad to what comes back: same object
+        opt.synchronize()
+        error = float((layer.weight.grad - truth).norm() / truth.norm())
+        assert error < 0.05, f"{transform}: averaged gradient off by {error:.3f} (relative)"
+        if transform != "whiten+hadamard":     # whitening maps into a tensor of its own
+            assert layer.weight.grad.data_ptr() == storage, f"{transform}: the average went to a new tensor"
+    assert_identical_on_all_ranks([layer.weight.grad], f"averaged gradient with {transform}")
+
+
 def test_checkpoint_resume_is_bit_identical():
     model, opt, compression = make("nvfp4")
     run(model, opt, steps=25)
