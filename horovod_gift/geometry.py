@@ -128,25 +128,30 @@ class InputWhitening:
         if g.dim() != 2 or g.shape[1] != self.in_features:
             raise ValueError(f"InputWhitening.{what}: expected a (out, {self.in_features}) tensor, got {tuple(g.shape)}")
 
-    def forward(self, g, factors=None):
-        """u = G S^{-T} (with the given factors, or the current ones)."""
-        self._check(g, "forward")
-        f = self.factors if factors is None else factors
-        if f is None:
-            return g.clone()
-        if self.sqrt == "lowrank":
-            return _lowrank_map(g, f, inverse=False).to(g.dtype)
-        return (g.to(torch.float32) @ f["s_inv"].t()).to(g.dtype)
+    def forward(self, g, factors=None, out=None):
+        """u = G S^{-T} (with the given factors, or the current ones); into out (fp32, g's shape, g itself
+        allowed) if given."""
+        return self._map(g, factors, out, "forward")
 
-    def inverse(self, u, factors=None):
-        """G = u S^T (with the given factors, or the current ones)."""
-        self._check(u, "inverse")
+    def inverse(self, u, factors=None, out=None):
+        """G = u S^T (with the given factors, or the current ones); into out as in forward."""
+        return self._map(u, factors, out, "inverse")
+
+    def _map(self, g, factors, out, what):
+        self._check(g, what)
         f = self.factors if factors is None else factors
+        if out is not None and (out.shape != g.shape or out.dtype != torch.float32):
+            raise ValueError(f"InputWhitening.{what}: out must be float32 of shape {tuple(g.shape)}, "
+                             f"got {out.dtype} {tuple(out.shape)}")
         if f is None:
-            return u.clone()
+            return g.clone() if out is None else out.copy_(g)
         if self.sqrt == "lowrank":
-            return _lowrank_map(u, f, inverse=True).to(u.dtype)
-        return (u.to(torch.float32) @ f["s"].t()).to(u.dtype)
+            result = _lowrank_map(g, f, inverse=what == "inverse", out=out)
+        else:
+            result = g.to(torch.float32) @ f["s" if what == "inverse" else "s_inv"].t()
+            if out is not None:
+                return out.copy_(result)
+        return result if out is not None else result.to(g.dtype)
 
     def whiten_activations(self, x):
         """S^{-1} x for each row x of a (tokens, in_features) batch: covariance ~ I after whitening."""
@@ -165,9 +170,10 @@ class InputWhitening:
 ROW_BLOCK_ELEMENTS = 1 << 18
 
 
-def _lowrank_map(g, f, inverse):
-    """forward: G D^{-1/2} (I + P diag(c-) P^T);  inverse: G (I + P diag(c+) P^T) D^{1/2}. fp32 out."""
-    out = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+def _lowrank_map(g, f, inverse, out=None):
+    """forward: G D^{-1/2} (I + P diag(c-) P^T);  inverse: G (I + P diag(c+) P^T) D^{1/2}. Into out (fp32;
+    g itself is fine: each block of rows is read whole, by its first op, before it is written)."""
+    out = torch.empty(g.shape, dtype=torch.float32, device=g.device) if out is None else out
     rows = max(1, g.shape[0] if g.is_cuda else ROW_BLOCK_ELEMENTS // max(1, g.shape[1]))
     for start in range(0, g.shape[0], rows):
         x, y = g[start:start + rows].to(torch.float32), out[start:start + rows]

@@ -46,7 +46,9 @@ class TransformPlan:
         owned = in_place or x.data_ptr() != g.data_ptr()
         if plan.startswith("whiten"):
             w = self.statistics.whitening[name]
-            x, owned = w.forward(x.reshape(-1, w.in_features)), True
+            rows = x.reshape(-1, w.in_features)
+            owned = owned or rows.data_ptr() != x.data_ptr()
+            x, owned = w.forward(rows, out=rows if owned and rows.is_contiguous() else None), True
         flat = x.reshape(-1).contiguous()
         owned = owned or flat.data_ptr() != x.data_ptr()
         if plan.endswith("hadamard"):
@@ -61,7 +63,8 @@ class TransformPlan:
             x = rotate(u, (self.hadamard_block, self.seed), inverse=True, out=u if in_place else None)
         if plan.startswith("whiten"):
             w = self.statistics.whitening[name]
-            x = w.inverse(x.view(-1, w.in_features), factors=factors).reshape(-1)
+            rows = x.view(-1, w.in_features)
+            x = w.inverse(rows, factors=factors, out=rows if in_place else None).reshape(-1)
         return x
 
     def record(self, name, g, codec):

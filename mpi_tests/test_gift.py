@@ -109,22 +109,26 @@ def test_error_feedback_makes_the_mean_converge():
 
 @pytest.mark.parametrize("transform", ["none", "hadamard", "whiten+hadamard"])
 def test_the_average_lands_in_the_gradient_tensor(transform):
-    """Like Horovod's in-place allreduce, the average is written over p.grad (rotated in place on its
-    way out and back): same storage where the transform allows, and the average of every rank's gradient."""
+    """Like Horovod's in-place allreduce, the average is written over p.grad, which is also where it is
+    whitened and rotated on its way out and back: the same storage, and the average of every rank's gradient."""
     layer = torch.nn.Linear(256, 64, bias=False)
-    compression = gift.GIFT(layer, format="fp8_e4m3", transform=transform, error_feedback=False, verbose=False)
+    compression = gift.GIFT(layer, format="fp8_e4m3", transform=transform, error_feedback=False, stat_every=1,
+                            verbose=False)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=0.0), named_parameters=[("w", layer.weight)],
                                    compression=compression)
     g = torch.randn(64, 256, generator=torch.Generator().manual_seed(hvd.rank())) * (1 + hvd.rank())
     truth = hvd.allreduce(g, op=hvd.Average, name=f"in_place.truth.{transform}")
+    activations = torch.randn(512, 256, generator=torch.Generator().manual_seed(100 + hvd.rank())) * torch.linspace(0.1, 3, 256)
     for _ in range(2):
+        layer(activations)                         # the whitening statistic, refreshed every step here
         layer.weight.grad = g.clone()
         storage = layer.weight.grad.data_ptr()      # Horovod set_()s p.grad to what comes back: same object
         opt.synchronize()
         error = float((layer.weight.grad - truth).norm() / truth.norm())
-        assert error < 0.05, f"{transform}: averaged gradient off by {error:.3f} (relative)"
-        if transform != "whiten+hadamard":     # whitening maps into a tensor of its own
-            assert layer.weight.grad.data_ptr() == storage, f"{transform}: the average went to a new tensor"
+        # whitening leaves the codec's error isotropic in the whitened space, and the map back stretches it
+        # along the weak input directions: 0.12 here, in place or not; a misapplied map gives ~1
+        assert error < (0.2 if transform.startswith("whiten") else 0.05), f"{transform}: averaged gradient off by {error:.3f}"
+        assert layer.weight.grad.data_ptr() == storage, f"{transform}: the average went to a new tensor"
     assert_identical_on_all_ranks([layer.weight.grad], f"averaged gradient with {transform}")
 
 

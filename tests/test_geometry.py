@@ -132,6 +132,25 @@ def test_low_rank_map_in_row_blocks_equals_its_formula(monkeypatch):
     assert torch.allclose(w.inverse(g).double(), inverse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("sqrt", ["lowrank", "cholesky"])
+def test_whitening_into_out_or_in_place_gives_the_same_bits(sqrt, monkeypatch):
+    """GIFT whitens a gradient in its own storage: the result must not depend on where it is written,
+    also when the rows run in blocks (several, and a short last one)."""
+    from horovod_gift import geometry
+    monkeypatch.setattr(geometry, "ROW_BLOCK_ELEMENTS", 64 * 7)
+    w = gift.InputWhitening(64, rank=16, sqrt=sqrt)
+    w.update(spiked_activations(n_in=64, tokens=5000))
+    g = torch.randn(30, 64, generator=torch.Generator().manual_seed(5))
+    for direction in (w.forward, w.inverse):
+        expected = direction(g)
+        into = torch.full_like(g, float("nan"))
+        assert direction(g, out=into) is into and torch.equal(into, expected)
+        in_place = g.clone()
+        assert direction(in_place, out=in_place) is in_place and torch.equal(in_place, expected)
+    with pytest.raises(ValueError, match=r"out must be float32 of shape \(30, 64\)"):
+        w.forward(g, out=torch.empty(30, 64, dtype=torch.float64))
+
+
 def test_whitening_statistic_is_an_ema_and_checks_shapes():
     w = gift.InputWhitening(4, rank=2, ema=0.5)
     a, b = torch.randn(100, 4), torch.randn(100, 4) * 3
