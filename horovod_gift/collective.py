@@ -21,7 +21,7 @@ import torch
 import horovod.torch as hvd
 
 from .config import check_codec
-from .formats import accumulate, dequantize, quantize
+from .formats import accumulate, dequantize, quantize, workspace
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ class BucketReduction:
             position += size
             total = accumulate(torch.stack([p[0] for p in pieces]), torch.stack([p[1] for p in pieces]),
                                None if pieces[0][2] is None else torch.cat([p[2] for p in pieces]),
-                               m, self.codec.format, self.codec.block_size)
+                               m, self.codec.format, self.codec.block_size, out=workspace(m, received.device, "sum"))
             if self.average:
                 total.div_(self.n)
             residual = None if self.residual2 is None else self.residual2[offset:offset + m]

@@ -162,14 +162,15 @@ def _rotate_in_place(x, signs, block, inverse):
 _workspaces = threading.local()
 
 
-def _workspace(n, device):
-    """A buffer of n fp32 elements for a temporary, kept per thread and device at the largest size asked
-    for: a fresh buffer of over 32 MB is mapped anew by glibc on every call and costs a page fault
-    per 4 KB (a rotated 1e7-element tensor: 45-50 ms into a new tensor, 20-22 ms into this one)."""
-    buffers = _workspaces.__dict__.setdefault("by_device", {})
-    buffer = buffers.get(device)
+def workspace(n, device, purpose):
+    """A buffer of n fp32 elements for a temporary, kept per thread, device and purpose (one user at a
+    time each) at the largest size asked for: a fresh buffer of over 32 MB is mapped anew by glibc on
+    every call and costs a page fault per 4 KB (a rotated 1e7-element tensor: 45-50 ms into a new
+    tensor, 20-22 ms into this one)."""
+    buffers = _workspaces.__dict__.setdefault("buffers", {})
+    buffer = buffers.get((device, purpose))
     if buffer is None or buffer.numel() < n:
-        buffer = buffers[device] = torch.empty(n, dtype=torch.float32, device=device)
+        buffer = buffers[device, purpose] = torch.empty(n, dtype=torch.float32, device=device)
     return buffer[:n]
 
 
@@ -186,7 +187,7 @@ def quantize(flat, format, block_size=None, stochastic=False, seed=0, residual=N
             flat, rotation = rotate(flat, rotation), None
         return fused.rotate_feedback_quantize_triton(flat, residual, format, block_size, rotation, seed, stochastic)
     if rotation is not None:
-        flat = rotate(flat, rotation, out=_workspace(flat.numel(), flat.device))
+        flat = rotate(flat, rotation, out=workspace(flat.numel(), flat.device, "rotation"))
     seed = seed if stochastic else 0            # unused by nearest rounding: one compiled graph for all seeds
     return fused.rotate_feedback_quantize_torch(flat, residual, format, block_size, None, seed, stochastic,
                                                 run=_runner(flat.numel(), stochastic))
@@ -196,15 +197,19 @@ def dequantize(codes, scales, tensor_scale, n, format, block_size=None, out=None
     """Flat fp32 values of n quantized elements, written into out (a contiguous fp32 tensor of n
     elements, e.g. a slice of the result) if given: a fresh tensor of over 32 MB costs a page fault
     per 4 KB on CPU, and a copy out of it another pass over memory."""
-    if out is not None and (out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous()
-                            or out.device != codes.device):
-        raise ValueError(f"dequantize: out must be a contiguous float32 tensor of {n} elements on {codes.device}, "
-                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    _check_out(out, n, codes.device, "dequantize")
     if not runs_triton(codes):
         return fused.decode_torch(codes, scales, tensor_scale, n, format, block_size, run=_runner(n, False), out=out)
     if format == "nvfp4":
         return nvfp4.nvfp4_decode_triton(codes, scales, tensor_scale, n, out)
     return fp8.fp8_decode_triton(codes, scales, fp8.FORMATS[format], block_size, out)
+
+
+def _check_out(out, n, device, what):
+    if out is not None and (out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous()
+                            or out.device != device):
+        raise ValueError(f"{what}: out must be a contiguous float32 tensor of {n} elements on {device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
 
 
 def encode(x, format="nvfp4", block_size=None, rounding="nearest", seed=0, nonfinite="nan", name="tensor"):
@@ -229,8 +234,10 @@ def decode(enc: Encoded):
     return values.view(enc.shape).to(enc.dtype)
 
 
-def accumulate(codes, scales, tensor_scales, n, format, block_size=None):
-    """fp32 sum, in order, of k payloads of n elements each: codes (k, bytes), scales (k, ...)."""
+def accumulate(codes, scales, tensor_scales, n, format, block_size=None, out=None):
+    """fp32 sum, in order, of k payloads of n elements each: codes (k, bytes), scales (k, ...); into out
+    if given, as in dequantize."""
+    _check_out(out, n, codes.device, "accumulate")
     if runs_triton(codes):
-        return fused.accumulate_triton(codes, scales, tensor_scales, n, format, block_size)
-    return fused.accumulate_torch(codes, scales, tensor_scales, n, format, block_size, run=_runner(n, False))
+        return fused.accumulate_triton(codes, scales, tensor_scales, n, format, block_size, out)
+    return fused.accumulate_torch(codes, scales, tensor_scales, n, format, block_size, run=_runner(n, False), out=out)

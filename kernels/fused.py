@@ -119,12 +119,13 @@ def accumulate_kernel(codes_ptr, scales_ptr, tensor_scales_ptr, out_ptr, n, k, c
     tl.store(out_ptr + offs, total, mask=offs < n)
 
 
-def accumulate_triton(codes, scales, tensor_scales, n, fmt_name, block_size):
-    """codes (k, bytes), scales (k, nscales), tensor_scales (k,) or None: the fp32 sum of k payloads."""
+def accumulate_triton(codes, scales, tensor_scales, n, fmt_name, block_size, out=None):
+    """codes (k, bytes), scales (k, nscales), tensor_scales (k,) or None: the fp32 sum of k payloads,
+    into out (n contiguous fp32 elements) if given."""
     nvfp4 = fmt_name == "nvfp4"
     qblock = _quant_block(fmt_name, block_size)
     fmt = FORMATS.get(fmt_name, FORMATS["fp8_e4m3"])
-    out = torch.empty(n, dtype=torch.float32, device=codes.device)
+    out = torch.empty(n, dtype=torch.float32, device=codes.device) if out is None else out
     if n:
         block, rows, grid = tile_shape(n, qblock)
         accumulate_kernel[grid](codes, scales, scales if tensor_scales is None else tensor_scales, out, n,
@@ -204,7 +205,14 @@ def accumulate_stage(codes, scales, tensor_scales, n, fmt_name, block_size):
     return total
 
 
-def accumulate_torch(codes, scales, tensor_scales, n, fmt_name, block_size, run=eager):
+def accumulate_torch(codes, scales, tensor_scales, n, fmt_name, block_size, run=eager, out=None):
     if fmt_name == "nvfp4":
         codes = unpack_codes_torch(codes, run)
-    return run(accumulate_stage, (codes, scales, tensor_scales, n), (fmt_name, block_size))
+    if out is None:
+        return run(accumulate_stage, (codes, scales, tensor_scales, n), (fmt_name, block_size))
+    run(accumulate_into, (codes, scales, tensor_scales, out), (fmt_name, block_size))
+    return out
+
+
+def accumulate_into(codes, scales, tensor_scales, out, fmt_name, block_size):
+    out.copy_(accumulate_stage(codes, scales, tensor_scales, out.numel(), fmt_name, block_size))

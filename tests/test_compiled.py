@@ -51,6 +51,26 @@ def test_compiled_accumulate_and_nonfinite_equal_eager(compiled_path, fmt, block
     assert torch.isnan(results[1]).any() and torch.isfinite(results[1]).any() == (block is not None)
 
 
+@pytest.mark.parametrize("path", ["eager", "compiled", "triton"])
+@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", 32), ("fp8_e5m2", None)])
+def test_accumulate_into_a_buffer_gives_the_same_sum(compiled_path, path, fmt, block):
+    """The collective sums each piece's payloads into a reused buffer: the same bits as into a new tensor."""
+    n = (1 << 13) + 37 if path == "triton" else (1 << 16) + 37
+    formats.COMPILE = path == "compiled"
+    with gift.use_kernels("triton" if path == "triton" else "torch"):
+        payloads = [formats.quantize(torch.randn(n, generator=torch.Generator().manual_seed(k)), fmt, block)
+                    for k in range(3)]
+        args = (torch.stack([p[0] for p in payloads]), torch.stack([p[1] for p in payloads]),
+                torch.cat([p[2] for p in payloads]) if fmt == "nvfp4" else None, n, fmt, block)
+        expected = formats.accumulate(*args)
+        buffer = torch.full((n + 100,), float("nan"))
+        assert formats.accumulate(*args, out=buffer[:n]).data_ptr() == buffer.data_ptr()
+        assert torch.equal(buffer[:n].view(torch.int32), expected.view(torch.int32))
+        assert torch.isnan(buffer[n:]).all(), "wrote past its buffer"
+        with pytest.raises(ValueError, match=f"accumulate: out must be a contiguous float32 tensor of {n} elements"):
+            formats.accumulate(*args, out=buffer[:n - 1])
+
+
 @pytest.mark.parametrize("block,inverse", [(128, False), (128, True), (16, True), (1 << 12, False)])
 def test_chunked_rotation_equals_eager_into_any_output(compiled_path, monkeypatch, block, inverse):
     monkeypatch.setattr(formats, "ROTATE_CHUNK", 1 << 14)  # several chunks, a short last one and a tail
