@@ -25,9 +25,14 @@ from .rounding import EXACT_ARITHMETIC, uniform_hash, uniform_hash_torch
 LANES = 16
 
 
+# 1/sqrt(block) rounded once to fp32, so kernel and reference multiply by the same number. A table,
+# not a call to numpy: torch.compile traced that call into the graph, and the node kept the graph out
+# of AOTAutograd's disk cache (each process re-traced every rotation graph, ~3 s each on 2 cores).
+NORMALIZERS = {1 << k: float(np.float32(1.0 / math.sqrt(1 << k))) for k in range(31)}
+
+
 def normalizer(block):
-    """1/sqrt(block) rounded once to fp32, so kernel and reference multiply by the same number."""
-    return float(np.float32(1.0 / math.sqrt(block)))
+    return NORMALIZERS[block]
 
 
 @triton.jit
