@@ -28,7 +28,7 @@ LANES = 16
 # 1/sqrt(block) rounded once to fp32, so kernel and reference multiply by the same number. A table,
 # not a call to numpy: torch.compile traced that call into the graph, and the node kept the graph out
 # of AOTAutograd's disk cache (each process re-traced every rotation graph, ~3 s each on 2 cores).
-NORMALIZERS = {1 << k: float(np.float32(1.0 / math.sqrt(1 << k))) for k in range(31)}
+NORMALIZERS = {1 << k: float(np.float32(1.0 / math.sqrt(1 << k))) for k in range(63)}
 
 
 def normalizer(block):
