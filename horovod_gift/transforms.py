@@ -42,17 +42,17 @@ class TransformPlan:
         """Flat fp32 transformed gradient; in_place: g is not needed afterwards and may be overwritten
         (a gradient of over 32 MB rotated into a new tensor costs a page fault per 4 KB on CPU)."""
         plan = plan or self.choice[name]
+
+        def writable(t):       # g given up, or a copy of it (a dtype change, a non-contiguous gradient)
+            return in_place or t.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()
         x = g.detach().to(torch.float32)
-        owned = in_place or x.data_ptr() != g.data_ptr()
         if plan.startswith("whiten"):
             w = self.statistics.whitening[name]
             rows = x.reshape(-1, w.in_features)
-            owned = owned or rows.data_ptr() != x.data_ptr()
-            x, owned = w.forward(rows, out=rows if owned and rows.is_contiguous() else None), True
+            x = w.forward(rows, out=rows if writable(rows) and rows.is_contiguous() else None)
         flat = x.reshape(-1).contiguous()
-        owned = owned or flat.data_ptr() != x.data_ptr()
         if plan.endswith("hadamard"):
-            return rotate(flat, (self.hadamard_block, self.seed), out=flat if owned else None)
+            return rotate(flat, (self.hadamard_block, self.seed), out=flat if writable(flat) else None)
         return flat
 
     def inverse(self, name, u, plan=None, factors=None, in_place=False):
