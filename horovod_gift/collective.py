@@ -49,11 +49,17 @@ class Codec:
         return sum(self.layout(m)) if m else 0
 
     def encode(self, flat, residual=None, seed=0):
-        """flat fp32 -> uint8 payload; residual (same size) is updated in place."""
+        """flat fp32 -> uint8 payload; residual (same size, fp32 or bf16) is updated in place.
+        The kernels update fp32 residuals: a bf16 one goes through an fp32 workspace and back
+        (round to nearest even, the same on every device)."""
         if flat.numel() == 0:
             return torch.empty(0, dtype=torch.uint8, device=flat.device)
-        codes, scales, tensor_scale = quantize(flat, self.format, self.block_size, self.rounding == "stochastic",
-                                               seed, residual)
+        narrow = residual is not None and residual.dtype != torch.float32
+        wide = workspace(flat.numel(), flat.device, "residual").copy_(residual) if narrow else residual
+        codes, scales, tensor_scale = quantize(flat, self.format, self.block_size,
+                                               self.rounding == "stochastic", seed, wide)
+        if narrow:
+            residual.copy_(wide)
         parts = [codes, scales.reshape(-1).view(torch.uint8)]
         if tensor_scale is not None:
             parts.append(tensor_scale.reshape(-1).view(torch.uint8))
@@ -116,6 +122,9 @@ class BucketReduction:
         self.bytes_sent = 0
         self.wait_seconds = 0.0          # blocked in hvd.synchronize
 
+    def _no_bytes(self):
+        return torch.empty(0, dtype=torch.uint8, device=self.flats[0].device)
+
     def _wait(self, handle):
         t0 = time.perf_counter()
         out = hvd.synchronize(handle)
@@ -129,8 +138,9 @@ class BucketReduction:
                                        None if self.residual1 is None else self.residual1[i][lo:hi],
                                        mix_seed(self.codec.seed, self.step, self.rank, k, i, 1))
                      for i, lo, hi in chunk]
-            payloads.append(torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8))
-        splits = torch.tensor([p.numel() for p in payloads], dtype=torch.int32)
+            payloads.append(torch.cat(parts) if parts else self._no_bytes())
+        # Horovod reads the splits on the host, whatever the payload's device
+        splits = torch.tensor([p.numel() for p in payloads], dtype=torch.int32, device="cpu")
         self.bytes_sent += int(splits.sum()) - int(splits[self.rank])
         self._handle = hvd.alltoall_async(torch.cat(payloads), splits=splits, name=f"{self.name}.reduce_scatter",
                                           process_set=self.process_set)
@@ -153,7 +163,7 @@ class BucketReduction:
             residual = None if self.residual2 is None else self.residual2[offset:offset + m]
             parts.append(self.codec.encode(total, residual, mix_seed(self.codec.seed, self.step, self.rank, i, 2)))
             offset += m
-        mine = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+        mine = torch.cat(parts) if parts else self._no_bytes()
         self.bytes_sent += mine.numel() * (self.n - 1)
         self._handle = hvd.allgather_async(mine, name=f"{self.name}.allgather", process_set=self.process_set)
         return self
@@ -192,7 +202,8 @@ def allreduce(tensor, name, format="fp8_e4m3", op=None, block_size=None, roundin
 
 def allgather_object(obj, name, process_set=hvd.global_process_set):
     """Every rank's picklable obj, in rank order (hvd.allgather_object has no process_set in 0.28)."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = hvd.allgather(torch.tensor([data.numel()]), name=f"{name}.sizes", process_set=process_set)
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)     # on the host
+    sizes = hvd.allgather(torch.tensor([data.numel()], device="cpu"), name=f"{name}.sizes",
+                          process_set=process_set)
     gathered = hvd.allgather(data, name=f"{name}.data", process_set=process_set)
     return [pickle.loads(part.numpy().tobytes()) for part in torch.split(gathered, sizes.tolist())]

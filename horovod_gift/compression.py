@@ -1,38 +1,43 @@
 """GIFT: a horovod.torch Compressor that sends gradients as FP8 or NVFP4.
 
     compression = gift.GIFT(model, format="nvfp4", transform="auto", error_feedback=True)
-    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                   compression=compression)
 
 Per step and parameter g (Horovod calls compress(g) when g is ready, decompress(out, ctx) in
 synchronize()):
-    u = T(g)                      T: K-FAC input whitening for nn.Linear weights, randomized
-                                  Hadamard rotation, both, or neither (see TRANSFORMS)
-    avg(u) over ranks             quantized reduce-scatter + allgather of buckets (collective.py),
-                                  with error feedback on both quantization stages
-    g_avg = T^{-1}(avg(u))        identical bytes, scales and T on every rank: bit-identical result
+    u = T(g)                  T: K-FAC input whitening for nn.Linear weights, randomized Hadamard
+                              rotation, both, or neither (see TRANSFORMS)
+    sum or avg(u) over ranks  quantized reduce-scatter + allgather of buckets (collective.py),
+                              with error feedback on both quantization stages
+    g_avg = T^{-1}(avg(u))    identical bytes, scales and T on every rank: bit-identical result
 compress returns a one-element placeholder for Horovod's own allreduce and launches the bucket's
 first stage once all its members are in; the first decompress of a step puts every bucket's
-second stage in flight together. Tensors under `min_elements` take Horovod's fp32 allreduce.
+second stage in flight together. Tensors under `min_elements`, sparse gradients and steps in
+which a rank has called hvd.join() take Horovod's own fp32 reduction.
 """
 import hashlib
 import sys
 import time
-import warnings
 import weakref
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 
 from horovod_gift.kernels.hadamard import LANES
 
+from . import horovod_internals as internals
 from .collective import BucketReduction, Codec, allgather_object, bucket_pieces
 from .config import check_codec
 from .statistics import WhiteningStatistics
 from .transforms import TRANSFORMS, TransformPlan
 
 HOROVOD_DTYPES = (torch.float16, torch.float32, torch.float64)
+RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
+# The statistics and their forward hooks exist only where a whitening transform can be chosen.
+WHITENING_TRANSFORMS = ("auto", "whiten", "whiten+hadamard")
+CPU = torch.device("cpu")       # Horovod's metadata (placeholders, roll calls) lives here
 
 
 class GIFT(Compressor):
@@ -42,49 +47,72 @@ class GIFT(Compressor):
     transform: "auto" | "none" | "hadamard" | "whiten" | "whiten+hadamard"; error_feedback: keep
     each stage's quantization error and add it back next step; nonfinite: "nan" (a non-finite
     gradient comes back NaN on every rank) or "raise" (every rank raises).
+    process_set: None (the default) takes the process set of the Horovod optimizer that uses this
+    compressor; a set given here must be that optimizer's, or every rank raises at the first step.
+    residual_dtype: torch.float32 (default) or torch.bfloat16 for the error-feedback residuals.
+    They hold 1 + 1/ranks parameter elements per parameter element (stage 1 per tensor, stage 2
+    per owned chunk): 4 (1 + 1/n) bytes per parameter in fp32, half that in bf16. bf16 keeps
+    about 3 significant digits of an error that is itself ~1e-2 of the gradient, and costs one
+    conversion pass per encode.
     """
 
-    def __init__(self, model, format="nvfp4", transform="auto", error_feedback=True, block_size=None,
-                 rounding="nearest", seed=0, bucket_elements=1 << 22, min_elements=1024, whitening_rank=32,
-                 damping=1e-3, stat_every=50, hadamard_block=128, nonfinite="nan",
-                 process_set=hvd.global_process_set, verbose=True):
+    def __init__(self, model, format="nvfp4", transform="auto", error_feedback=True,
+                 block_size=None, rounding="nearest", seed=0, bucket_elements=1 << 22,
+                 min_elements=1024, whitening_rank=32, damping=1e-3, stat_every=50,
+                 hadamard_block=128, nonfinite="nan", process_set=None,
+                 residual_dtype=torch.float32, verbose=True):
         if not hvd.is_initialized():
             raise RuntimeError("GIFT: call hvd.init() before creating GIFT(model, ...)")
         if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"GIFT: expected the torch.nn.Module being trained, got {type(model).__name__}")
+            raise TypeError(f"GIFT: expected the torch.nn.Module being trained, "
+                            f"got {type(model).__name__}")
         check_codec(format, block_size, rounding, where="GIFT")
         if transform not in TRANSFORMS:
             raise ValueError(f"GIFT: unknown transform {transform!r}; expected one of {TRANSFORMS}")
         if nonfinite not in ("nan", "raise"):
             raise ValueError(f"GIFT: nonfinite must be 'nan' or 'raise', got {nonfinite!r}")
+        if residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(f"GIFT: residual_dtype must be one of {RESIDUAL_DTYPES}, "
+                             f"got {residual_dtype!r}")
         params = list(model.named_parameters())
         trainable = [(n, p) for n, p in params if p.requires_grad]
         if not trainable:
             raise ValueError("GIFT: the model has no trainable parameters")
         self.codec = Codec(format, block_size, rounding, seed)
         self.transform, self.error_feedback, self.nonfinite = transform, error_feedback, nonfinite
-        self.min_elements, self.process_set, self.verbose = min_elements, process_set, verbose
+        self.min_elements, self.verbose, self.residual_dtype = min_elements, verbose, residual_dtype
+        self.requested_process_set = process_set
+        self.process_set = process_set or hvd.global_process_set
+        self.average = True             # op=hvd.Average; hvd.Sum sets it False
+        self._optimizer = None          # weak reference to the Horovod optimizer served
         # Parameters frozen now and trained later take an fp32 path: buckets must not wait for them.
         self.params = dict(params)
         self.frozen_at_start = sorted(n for n, p in params if not p.requires_grad)
         self._late_reported = []
-        self.statistics = WhiteningStatistics(model, dict(trainable), whitening_rank, damping, stat_every, process_set)
+        whitenable = dict(trainable) if transform in WHITENING_TRANSFORMS else {}
+        self.statistics = WhiteningStatistics(model, whitenable, whitening_rank, damping,
+                                              stat_every, self.process_set)
         self.plan = TransformPlan(self.params, transform, self.statistics, hadamard_block, seed)
-        compressed = [n for n, p in reversed(trainable) if p.numel() >= min_elements]   # backward order
-        self.buckets = _fill_buckets(compressed, {n: self.params[n].numel() for n in compressed}, bucket_elements)
+        sparse = _sparse_gradient_parameters(model)
+        compressed = [n for n, p in reversed(trainable)           # backward order
+                      if p.numel() >= min_elements and n not in sparse]
+        self.buckets = _fill_buckets(compressed, {n: self.params[n].numel() for n in compressed},
+                                     bucket_elements)
         self.bucket_of = {n: k for k, names in enumerate(self.buckets) for n in names}
         self.residual1, self.residual2 = {}, {}
         self.step = 0
         self._verify = True
         self._grad_names = {}
         self._counters = dict(elements=0, bytes_sent=0, payload_bytes=0, uncompressed_elements=0,
-                              seconds_in_gift=0.0, wait_seconds=0.0)
+                              seconds_in_gift=0.0, wait_seconds=0.0, joined_steps=0)
         self._reset_step()
-        _refuse_other_optimizers(self)
+        internals.refuse_other_optimizers(self, GIFT)
+        weakref.finalize(self, self.statistics.remove_hooks)
 
     # ---------------------------------------------------------------- Horovod's interface
     def compress(self, tensor=None):
         _check_instance(self)
+        self._bind(internals.calling_optimizer(self))
         t0 = time.perf_counter()
         try:
             return self._compress(tensor)
@@ -93,11 +121,39 @@ class GIFT(Compressor):
 
     def decompress(self, tensor=None, ctx=None):
         _check_instance(self)
+        if ctx is None:     # a sparse gradient: Horovod reduced it itself, compress never saw it
+            return tensor
         t0 = time.perf_counter()
         try:
             return self._decompress(tensor, ctx)
         finally:
             self._counters["seconds_in_gift"] += time.perf_counter() - t0
+
+    def _bind(self, optimizer):
+        """Take the process set and op of the Horovod optimizer calling compress, the first time;
+        refuse what GIFT cannot honour. Every rank of the set raises the same error, before any
+        collective of GIFT's, so none waits for the others."""
+        if optimizer is None or (self._optimizer is not None and self._optimizer() is optimizer):
+            return
+        if internals.is_adasum(optimizer):
+            raise ValueError("GIFT does not support op=hvd.Adasum (it compresses parameter "
+                             "deltas, not averaged gradients); use op=hvd.Average")
+        if optimizer.op not in (hvd.Average, hvd.Sum):
+            raise ValueError(f"GIFT supports op=hvd.Average and op=hvd.Sum in "
+                             f"hvd.DistributedOptimizer, got op={optimizer.op!r}")
+        ps, requested = optimizer.process_set, self.requested_process_set
+        if requested is not None and ps.process_set_id != requested.process_set_id:
+            mine, theirs = map(internals.describe_process_set, (requested, ps))
+            raise ValueError(f"GIFT was made with {mine} but hvd.DistributedOptimizer reduces "
+                             f"over {theirs}; pass the optimizer's process set to "
+                             "GIFT(..., process_set=...) or leave it out")
+        if self._optimizer is not None and (ps.process_set_id != self.process_set.process_set_id
+                                            or (optimizer.op == hvd.Average) != self.average):
+            raise ValueError("GIFT: this instance already serves a Horovod optimizer with another "
+                             "process set or op; make one GIFT per optimizer")
+        self.process_set = self.statistics.process_set = ps
+        self.average = optimizer.op == hvd.Average
+        self._optimizer = weakref.ref(optimizer)
 
     def _compress(self, tensor):
         name = self._name_of(tensor)
@@ -106,7 +162,7 @@ class GIFT(Compressor):
         self._outstanding += 1
         self._sent.add(name)
         self._counters["elements"] += tensor.numel()
-        if name not in self.bucket_of:
+        if self._joined or name not in self.bucket_of:
             self._counters["uncompressed_elements"] += tensor.numel()
             self._counters["payload_bytes"] += 4 * tensor.numel()
             plain = tensor if tensor.dtype in HOROVOD_DTYPES else tensor.to(torch.float32)
@@ -117,7 +173,7 @@ class GIFT(Compressor):
         bucket = self.bucket_of[name]
         if all(n in self._u for n in self.buckets[bucket]):
             self._start(bucket)
-        return torch.zeros(1), ("gift", name, tensor.dtype)
+        return torch.zeros(1, device=CPU), ("gift", name, tensor.dtype)
 
     def _decompress(self, tensor, ctx):
         kind, name, dtype = ctx
@@ -137,44 +193,74 @@ class GIFT(Compressor):
 
     # ---------------------------------------------------------------- one step
     def _reset_step(self):
-        self._in_step, self._outstanding, self._sent = False, 0, set()
-        self._u, self._shapes, self._reductions, self._results, self._exchanged = {}, {}, {}, {}, False
+        self._in_step, self._outstanding, self._sent, self._joined = False, 0, set(), False
+        self._u, self._shapes, self._reductions, self._results = {}, {}, {}, {}
+        self._exchanged = False
 
     def _begin_step(self):
         self._in_step = True
+        self._joined = not self._roll_call()
+        if self._joined:                # every tensor takes Horovod's fp32 path; nothing else runs
+            self._counters["joined_steps"] += 1
+            return
         if self._verify:
             self._check_ranks_agree()
             self._verify = False
         self.statistics.current_step = self.step
-        # "auto" judges the candidates on the step after a refresh: there, as in the steps that follow,
-        # the whitening factors come from earlier batches (on the refresh step they fit the batch itself).
+        # "auto" judges the candidates on the step after a refresh: there, as in the steps that
+        # follow, the factors come from earlier batches (on the refresh step they fit the batch).
         self.plan.evaluating = self.step >= 1 and self.statistics.due(self.step - 1)
         if self.statistics.due(self.step):
             self._fold_second_stage_residuals()            # factors change this step
             changed = self.statistics.refresh()
-            if changed:
-                for name, old_factors in changed.items():
-                    self._convert_residual(name, lambda u, n=name, f=old_factors: self.plan.inverse(n, u, factors=f))
+            for name, old_factors in changed.items():
+                self._convert_residual(
+                    name, lambda u, n=name, f=old_factors: self.plan.inverse(n, u, factors=f))
             if self.step == 0 and self.verbose and hvd.rank() == 0:
                 print(f"[horovod-gift] {self.describe()}", file=sys.stderr, flush=True)
 
+    def _roll_call(self):
+        """Whether every rank of the process set is in this step. A rank that has called
+        hvd.join() contributes zeros to allreduces, the only collective Horovod's join supports
+        (its alltoall and allgather crash), so one allreduce of (present, step) per rank tells
+        every rank the same answer. Ranks that joined early come back with fewer steps: all take
+        the largest count, so seeds, refreshes and collective names stay in step."""
+        n, me = self.process_set.size(), self.process_set.rank()
+        roll = torch.zeros(2 * n, dtype=torch.float64, device=CPU)
+        roll[me], roll[n + me] = 1.0, float(self.step)
+        roll = hvd.allreduce(roll, op=hvd.Sum, name="gift.roll_call", process_set=self.process_set)
+        if not bool((roll[:n] == 1).all()):
+            return False
+        if not self._verify:    # a mismatch before the first check is an error that check reports
+            self.step = int(roll[n:].max())
+        return True
+
     def _start(self, bucket):
         names = self.buckets[bucket]
-        flats = [self._u[n] if n in self._u else torch.zeros(self.params[n].numel()) for n in names]
+        flats = [self._u[n] if n in self._u else self._zeros(n, torch.float32) for n in names]
         residual1 = None
         if self.error_feedback:
-            residual1 = [_kept(self.residual1, n, lambda f=f: torch.zeros_like(f)) for n, f in zip(names, flats)]
-        reduction = BucketReduction(f"gift.b{bucket}", flats, self.codec, self.process_set, residual1, None,
-                                    average=True, step=self.step)
+            residual1 = [_kept(self.residual1, n, lambda n=n: self._zeros(n, self.residual_dtype))
+                         for n in names]
+        reduction = BucketReduction(f"gift.b{bucket}", flats, self.codec, self.process_set,
+                                    residual1, None, average=self.average, step=self.step)
         if self.error_feedback:
-            reduction.residual2 = _kept(self.residual2, bucket, lambda: torch.zeros(reduction.owned))
+            reduction.residual2 = _kept(
+                self.residual2, bucket,
+                lambda: torch.zeros(reduction.owned, dtype=self.residual_dtype,
+                                    device=flats[0].device))
         self._reductions[bucket] = reduction.start()
         self._counters["payload_bytes"] += sum(self.codec.payload_bytes(f.numel()) for f in flats)
+
+    def _zeros(self, name, dtype):
+        """A flat zero tensor of a parameter's size on that parameter's device."""
+        p = self.params[name]
+        return torch.zeros(p.numel(), dtype=dtype, device=p.device)
 
     def _second_stage(self):
         if self._exchanged:
             return
-        for bucket in range(len(self.buckets)):           # a bucket whose members Horovod never sent
+        for bucket in range(len(self.buckets)):     # a bucket whose members Horovod never sent
             if bucket not in self._reductions and any(n in self._u for n in self.buckets[bucket]):
                 self._start(bucket)
         for reduction in self._reductions.values():       # all second stages in flight together
@@ -186,18 +272,21 @@ class GIFT(Compressor):
         bucket = self.bucket_of[name]
         if bucket not in self._results:
             reduction = self._reductions[bucket]
-            # over the transformed gradients, some of them p.grad itself: Horovod's own allreduce_async_
-            # writes its result into p.grad too, and sets p.grad to what decompress returns
-            self._results[bucket] = dict(zip(self.buckets[bucket], reduction.finish(over_inputs=True)))
+            # over the transformed gradients, some of them p.grad itself: Horovod's own
+            # allreduce_async_ writes its result into p.grad too, and sets p.grad to what
+            # decompress returns
+            results = reduction.finish(over_inputs=True)
+            self._results[bucket] = dict(zip(self.buckets[bucket], results))
             self._counters["bytes_sent"] += reduction.bytes_sent
             self._counters["wait_seconds"] += reduction.wait_seconds
             self._scrub_residuals(reduction)
         shape, dtype = self._shapes[name]
-        return self.plan.inverse(name, self._results[bucket].pop(name), in_place=True).view(shape).to(dtype)
+        u = self._results[bucket].pop(name)
+        return self.plan.inverse(name, u, in_place=True).view(shape).to(dtype)
 
     def _end_step(self):
         self._average_unhooked()
-        if self.plan.evaluating:
+        if self.plan.evaluating and not self._joined:
             self._fold_second_stage_residuals()
             self.plan.finish_vote(self._convert_residual)
         self.step += 1
@@ -206,15 +295,16 @@ class GIFT(Compressor):
         self._reset_step()
 
     def _average_unhooked(self):
-        """Average, in fp32, the gradients of parameters that were frozen when the optimizer was wrapped
-        and are trainable now: Horovod hooks only the parameters trainable at construction, so without
-        this each rank would step with its own gradient and the replicas would drift apart."""
-        late = [n for n in self.frozen_at_start if self.params[n].requires_grad and n not in self._sent]
+        """Reduce, in fp32, the gradients of parameters that were frozen when the optimizer was
+        wrapped and are trainable now: Horovod hooks only the parameters trainable at
+        construction, so without this each rank would step with its own gradient."""
+        late = [n for n in self.frozen_at_start
+                if self.params[n].requires_grad and n not in self._sent]
         if not late:
             return
         if late != self._late_reported and self.verbose and hvd.rank() == 0:
-            print(f"[horovod-gift] parameters trainable since the optimizer was wrapped, averaged in fp32 by "
-                  f"GIFT: {', '.join(late)}", file=sys.stderr, flush=True)
+            print("[horovod-gift] parameters trainable since the optimizer was wrapped, reduced in "
+                  f"fp32 by GIFT: {', '.join(late)}", file=sys.stderr, flush=True)
         self._late_reported = late
         grads = []
         for n in late:
@@ -222,9 +312,11 @@ class GIFT(Compressor):
             if p.grad is None:          # as Horovod does: another rank may have a gradient for it
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad.to(torch.float32).reshape(-1))
-        averaged = hvd.grouped_allreduce(grads, name=f"gift.unhooked.{self.step}", op=hvd.Average,
-                                         process_set=self.process_set)
-        for n, avg in zip(late, averaged):
+        # one name for every step: ranks back from hvd.join() may count steps differently
+        reduced = hvd.grouped_allreduce(grads, name="gift.unhooked",
+                                        op=hvd.Average if self.average else hvd.Sum,
+                                        process_set=self.process_set)
+        for n, avg in zip(late, reduced):
             p = self.params[n]
             p.grad.copy_(avg.view(p.shape))
             if self.nonfinite == "raise" and not torch.isfinite(avg).all():
@@ -233,32 +325,39 @@ class GIFT(Compressor):
 
     # ---------------------------------------------------------------- residuals
     def _scrub_residuals(self, reduction):
-        """A non-finite gradient must not poison later steps through its residual. A sum is non-finite
-        if any element is (or on overflow, where scrubbing changes nothing) and 30x cheaper than isfinite."""
-        for r in (reduction.residual1 or []) + ([reduction.residual2] if reduction.residual2 is not None else []):
+        """A non-finite gradient must not poison later steps through its residual. A sum is
+        non-finite if any element is (or on overflow, where scrubbing changes nothing), and 30x
+        cheaper than isfinite."""
+        residuals = list(reduction.residual1 or [])
+        if reduction.residual2 is not None:
+            residuals.append(reduction.residual2)
+        for r in residuals:
             if not torch.isfinite(r.sum()):
                 r.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
     def _fold_second_stage_residuals(self):
-        """Move each owner's stage-2 residual into its stage-1 residual (times n: stage 1 is summed,
-        then averaged), so both live in per-parameter coordinates before a transform changes."""
+        """Move each owner's stage-2 residual into its stage-1 residual (times n for an average:
+        stage 1 is summed, then averaged), so both live in per-parameter coordinates before a
+        transform changes."""
         n, rank = self.process_set.size(), self.process_set.rank()
+        scale = n if self.average else 1
         for bucket, r2 in self.residual2.items():
             names = self.buckets[bucket]
-            pieces = bucket_pieces([self.params[nm].numel() for nm in names], n, self.codec.align)[rank]
+            sizes = [self.params[nm].numel() for nm in names]
             offset = 0
-            for i, lo, hi in pieces:
-                r1 = _kept(self.residual1, names[i], lambda i=i: torch.zeros(self.params[names[i]].numel()))
-                r1[lo:hi] += n * r2[offset:offset + hi - lo]
+            for i, lo, hi in bucket_pieces(sizes, n, self.codec.align)[rank]:
+                r1 = _kept(self.residual1, names[i],
+                           lambda i=i: self._zeros(names[i], self.residual_dtype))
+                r1[lo:hi] += scale * r2[offset:offset + hi - lo]
                 offset += hi - lo
             r2.zero_()
 
     def _convert_residual(self, name, old_inverse):
-        """Re-express a stage-1 residual in the current transform's coordinates."""
+        """Re-express a stage-1 residual in the current transform's coordinates, in place."""
         if name in self.residual1:
-            shape = self.params[name].shape
-            g = old_inverse(self.residual1[name]).view(shape)
-            self.residual1[name] = self.plan.forward(name, g)
+            residual = self.residual1[name]
+            g = old_inverse(residual.to(torch.float32)).view(self.params[name].shape)
+            residual.copy_(self.plan.forward(name, g))
 
     # ---------------------------------------------------------------- identity and agreement
     def _name_of(self, tensor):
@@ -269,55 +368,62 @@ class GIFT(Compressor):
         name = self._grad_names.get(id(tensor))
         if name is not None:
             return name
-        callers = [f.f_locals.get("self") for f in _frames(sys._getframe(1), 6)]
-        if any(hasattr(c, "_starting_models") for c in callers):   # only Horovod's Adasum optimizer has it
-            raise ValueError("GIFT does not support op=hvd.Adasum (it compresses parameter deltas, not "
-                             "averaged gradients); use op=hvd.Average")
-        raise ValueError(f"GIFT.compress got a tensor of shape {tuple(tensor.shape)} that is not the .grad of "
-                         "a parameter of the model given to GIFT(model); pass the same model's "
-                         "named_parameters() to hvd.DistributedOptimizer (sparse_as_dense is not supported)")
+        raise ValueError(f"GIFT.compress got a tensor of shape {tuple(tensor.shape)} that is not "
+                         "the .grad of a parameter of the model given to GIFT(model); pass the "
+                         "same model's named_parameters() to hvd.DistributedOptimizer "
+                         "(sparse_as_dense is not supported)")
 
     def config(self):
-        # the rotation's layout too: saved residuals live in the rotated space, and ranks must agree on it
-        return dict(format=self.codec.format, block_size=self.codec.block_size, rounding=self.codec.rounding,
-                    seed=self.codec.seed, transform=self.transform, error_feedback=self.error_feedback,
-                    min_elements=self.min_elements, hadamard_block=self.plan.hadamard_block, hadamard_interleave=LANES,
+        # the rotation's layout too: saved residuals live in the rotated space, and ranks must
+        # agree on it
+        shapes = [(n, tuple(p.shape)) for n, p in self.params.items()]
+        return dict(format=self.codec.format, block_size=self.codec.block_size,
+                    rounding=self.codec.rounding, seed=self.codec.seed, transform=self.transform,
+                    error_feedback=self.error_feedback, min_elements=self.min_elements,
+                    hadamard_block=self.plan.hadamard_block, hadamard_interleave=LANES,
                     stat_every=self.statistics.stat_every, whitening_rank=self.statistics.rank,
-                    nonfinite=self.nonfinite,
-                    model=_fingerprint((self.buckets, [(n, tuple(p.shape)) for n, p in self.params.items()])))
+                    nonfinite=self.nonfinite, residual_dtype=str(self.residual_dtype),
+                    model=_fingerprint((self.buckets, shapes)))
 
     def _check_ranks_agree(self):
-        """Collective, at the first step and the first after load_state_dict: every rank raises the
-        same error if the configuration, the model's parameters or the step count differ."""
-        configs = allgather_object(dict(self.config(), step=self.step), "gift.config", self.process_set)
-        if any(c != configs[0] for c in configs):
-            diff = sorted({k for c in configs for k in c if c.get(k) != configs[0].get(k)})
-            hint = {"model": " (the model's parameter names or shapes, or the buckets, differ)",
-                    "step": " (load the compressor's state_dict on every rank, not only on one)"}
-            raise ValueError("GIFT configuration differs across ranks in " + ", ".join(diff) + ": "
-                             + "; ".join(f"rank {r}: " + ", ".join(f"{k}={c.get(k)!r}" for k in diff)
-                                         for r, c in enumerate(configs)) + "".join(hint.get(k, "") for k in diff))
+        """Collective, at the first step and the first after load_state_dict: every rank raises
+        the same error if the configuration, the model's parameters or the step count differ."""
+        configs = allgather_object(dict(self.config(), step=self.step), "gift.config",
+                                   self.process_set)
+        if all(c == configs[0] for c in configs):
+            return
+        diff = sorted({k for c in configs for k in c if c.get(k) != configs[0].get(k)})
+        hint = {"model": " (the model's parameter names or shapes, or the buckets, differ)",
+                "step": " (load the compressor's state_dict on every rank, not only on one)"}
+        per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{k}={c.get(k)!r}" for k in diff)
+                             for r, c in enumerate(configs))
+        raise ValueError(f"GIFT configuration differs across ranks in {', '.join(diff)}: "
+                         + per_rank + "".join(hint.get(k, "") for k in diff))
 
     # ---------------------------------------------------------------- telemetry and checkpoints
     def describe(self):
         counts = self.plan.counts(self.bucket_of)
-        return (f"GIFT {self.codec.format}" + (f" (block {self.codec.block_size})" if self.codec.block_size else "")
-                + f", transform={self.transform}: " + ", ".join(f"{v} tensors {k}" for k, v in sorted(counts.items()))
-                + f"; {len(self.buckets)} buckets; tensors under {self.min_elements} elements go fp32")
+        block = f" (block {self.codec.block_size})" if self.codec.block_size else ""
+        plans = ", ".join(f"{v} tensors {k}" for k, v in sorted(counts.items()))
+        return (f"GIFT {self.codec.format}{block}, transform={self.transform}: {plans}; "
+                f"{len(self.buckets)} buckets; tensors under {self.min_elements} elements go fp32")
 
     def stats(self):
-        """Cumulative counters of this rank: steps, gradient elements, bytes this rank sent through the
-        quantized path, bits per gradient element of what it encoded (uncompressed tensors at 32),
-        seconds spent in the codec and seconds waiting for the network inside GIFT."""
+        """Cumulative counters of this rank: steps, gradient elements, bytes this rank sent through
+        the quantized path, bits per gradient element of what it encoded (uncompressed tensors at
+        32), seconds spent in the codec, seconds waiting for the network inside GIFT, and steps
+        that took the fp32 path because a rank had called hvd.join()."""
         c = dict(self._counters, steps=self.step)
-        c["codec_seconds"] = c["seconds_in_gift"] - c["wait_seconds"]   # transforms, encode, decode, sums
+        # transforms, encode, decode, sums
+        c["codec_seconds"] = c["seconds_in_gift"] - c["wait_seconds"]
         c["bits_per_element"] = 8.0 * c["payload_bytes"] / c["elements"] if c["elements"] else 0.0
         c["plans"] = self.plan.counts(self.bucket_of)
         return c
 
     def state_dict(self):
-        """Residuals of every rank, whitening statistics and factors, transform choices. Collective:
-        call it on every rank (it gathers the per-rank residuals); save it from any one rank."""
+        """Residuals of every rank, whitening statistics and factors, transform choices.
+        Collective: call it on every rank (it gathers the per-rank residuals); save it from any
+        one rank."""
         local = {"residual1": {n: r.clone() for n, r in self.residual1.items()},
                  "residual2": {k: r.clone() for k, r in self.residual2.items()}}
         everyone = allgather_object(local, "gift.state_dict", self.process_set)
@@ -326,10 +432,11 @@ class GIFT(Compressor):
 
     def load_state_dict(self, state):
         if state["config"] != self.config():
-            raise ValueError(f"GIFT.load_state_dict: saved with {state['config']}, this GIFT is {self.config()}")
+            raise ValueError(f"GIFT.load_state_dict: saved with {state['config']}, "
+                             f"this GIFT is {self.config()}")
         if len(state["ranks"]) != self.process_set.size():
-            raise ValueError(f"GIFT.load_state_dict: saved on {len(state['ranks'])} ranks, running on "
-                             f"{self.process_set.size()}: residuals cannot be mapped")
+            raise ValueError(f"GIFT.load_state_dict: saved on {len(state['ranks'])} ranks, running "
+                             f"on {self.process_set.size()}: residuals cannot be mapped")
         mine = state["ranks"][self.process_set.rank()]
         self.residual1 = {n: r.clone() for n, r in mine["residual1"].items()}
         self.residual2 = {k: r.clone() for k, r in mine["residual2"].items()}
@@ -353,53 +460,21 @@ def _fingerprint(value):
     return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
 
 
-def _frames(frame, depth):
-    while frame is not None and depth > 0:
-        yield frame
-        frame, depth = frame.f_back, depth - 1
-
-
-_LIVE = weakref.WeakSet()     # GIFT instances in use; an optimizer stepping their parameters must use one
-_GUARD = []
-
-
-def _refuse_other_optimizers(gift):
-    """Before an optimizer steps a GIFT model's parameters, check that it averages them: a plain
-    optimizer would leave every rank stepping with its own gradient, so it raises. A Horovod optimizer
-    with other compression averages them (a legitimate split, e.g. a second optimizer for some
-    parameters), so it only warns that GIFT does not compress what it steps."""
-    if not _GUARD:
-        _GUARD.append(register_optimizer_step_pre_hook(_check_optimizer))
-    _LIVE.add(gift)
-    weakref.finalize(gift, gift.statistics.remove_hooks)
-
-
-_WARNED = weakref.WeakSet()
-
-
-def _check_optimizer(optimizer, args, kwargs):
-    if isinstance(getattr(optimizer, "_compression", None), GIFT) or optimizer in _WARNED:
-        return
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    if not any(id(p) in stepped for gift in list(_LIVE) for p in gift.params.values()):
-        return
-    advice = ("wrap it as hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), "
-              "compression=<that GIFT instance>)")
-    if not hasattr(optimizer, "_compression"):
-        raise RuntimeError(f"GIFT: {type(optimizer).__name__}.step() updates the parameters of a model given to "
-                           f"GIFT(model) with no Horovod wrapper: their gradients are not averaged across ranks; "
-                           + advice)
-    warnings.warn(f"GIFT: {type(optimizer).__name__}.step() updates parameters of a model given to GIFT(model) "
-                  f"through Horovod with a different compression: GIFT does not compress them; to compress, "
-                  + advice, stacklevel=3)
-    _WARNED.add(optimizer)
-
-
 def _check_instance(obj):
     # Horovod calls compression.compress(grad): with the class itself, grad lands in `self`
     if not isinstance(obj, GIFT):
         raise TypeError("compression=GIFT passes the class; pass an instance made for your model: "
                         "compression=gift.GIFT(model, format='nvfp4')")
+
+
+def _sparse_gradient_parameters(model):
+    """Names of the weights of embeddings made with sparse=True: Horovod reduces their sparse
+    gradients itself and never calls compress, so no bucket may wait for them."""
+    names = set()
+    for module_name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
+            names.add(f"{module_name}.weight" if module_name else "weight")
+    return names
 
 
 def _fill_buckets(names, sizes, bucket_elements):

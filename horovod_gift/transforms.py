@@ -77,7 +77,9 @@ class TransformPlan:
             u = self.forward(name, g, plan)
             back = self.inverse(name, codec.decode(codec.encode(u), u.numel()), plan, in_place=True)
             errors.append(float((back - flat).double().pow(2).sum()))
-        self._errors[name] = torch.tensor(errors + [0.0] * (4 - len(errors)), dtype=torch.float64)
+        # host metadata for one allreduce of every tensor's errors
+        self._errors[name] = torch.tensor(errors + [0.0] * (4 - len(errors)), dtype=torch.float64,
+                                          device="cpu")
 
     def start_vote(self):
         """Sum every recorded error over ranks: one collective, started once every rank has sent
