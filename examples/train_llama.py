@@ -3,7 +3,11 @@
     horovodrun -np 2 -H localhost:2 python examples/train_llama.py --steps 200 --compression gift-nvfp4
 
 Rank 0 shows a progress bar, logs loss, tokens/s and bits per gradient element, and writes a CSV.
+On a GPU cluster, `--device cuda` puts each rank on its local GPU (hvd.local_rank()) and runs the
+forward and backward passes under bf16 autocast where the GPU supports bf16; parameters,
+gradients and GIFT's state stay fp32 on the GPU.
 """
+import contextlib
 import argparse
 import csv
 import os
@@ -57,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--resume", default=None, help="checkpoint to continue from")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: each rank on GPU hvd.local_rank(), bf16 autocast where supported")
     return p.parse_args(argv)
 
 
@@ -64,10 +70,10 @@ def main(argv=None):
     args = parse_args(argv)
     hvd.init()
     torch.manual_seed(args.seed)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
+    device, autocast = place(args.device)
     cfg = LlamaConfig(dim=args.dim, n_layers=args.layers, n_heads=max(1, args.dim // 32),
                       hidden_dim=(8 * args.dim // 3 + 7) // 8 * 8, max_seq_len=args.seq_len)
-    model = Llama(cfg)
+    model = Llama(cfg).to(device)
     compression, compressor = make_compression(args.compression, model, args.bucket_elements)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     # wrap first: DistributedOptimizer builds a new optimizer object, which would drop loaded state
@@ -99,9 +105,10 @@ def main(argv=None):
     for step in range(start_step, args.steps):
         t0 = time.perf_counter()
         before = compressor.stats() if compressor is not None else None
-        x, y = batches.next()
+        x, y = (t.to(device, non_blocking=True) for t in batches.next())
         optimizer.zero_grad()
-        _, loss = model(x, y)
+        with autocast():
+            _, loss = model(x, y)
         loss.backward()
         t_step = time.perf_counter()
         optimizer.step()
@@ -141,6 +148,19 @@ def main(argv=None):
     if rank0 and losses:
         print(summary(args, losses, compressor, time.perf_counter() - t_start, len(losses)), flush=True)
     return losses
+
+
+def place(device):
+    """The device of this rank and the autocast context of its forward pass."""
+    if device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
+        return torch.device("cpu"), contextlib.nullcontext
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: this torch build sees no CUDA device")
+    torch.cuda.set_device(hvd.local_rank())
+    if not torch.cuda.is_bf16_supported():
+        return torch.device("cuda"), contextlib.nullcontext
+    return torch.device("cuda"), lambda: torch.autocast("cuda", dtype=torch.bfloat16)
 
 
 def summary(args, losses, compressor, seconds, steps):

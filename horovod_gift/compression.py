@@ -438,8 +438,11 @@ class GIFT(Compressor):
             raise ValueError(f"GIFT.load_state_dict: saved on {len(state['ranks'])} ranks, running "
                              f"on {self.process_set.size()}: residuals cannot be mapped")
         mine = state["ranks"][self.process_set.rank()]
-        self.residual1 = {n: r.clone() for n, r in mine["residual1"].items()}
-        self.residual2 = {k: r.clone() for k, r in mine["residual2"].items()}
+        # a checkpoint loaded with map_location="cpu" onto a model on the GPU: back to its device
+        self.residual1 = {n: r.to(self.params[n].device, copy=True)
+                          for n, r in mine["residual1"].items()}
+        self.residual2 = {k: r.to(self.params[self.buckets[k][0]].device, copy=True)
+                          for k, r in mine["residual2"].items()}
         self.step = state["step"]
         self.statistics.current_step = self.step
         self.statistics.load_state_dict(state["statistics"])
