@@ -30,6 +30,7 @@ from horovod_gift.kernels.hadamard import LANES
 from . import horovod_internals as internals
 from .collective import BucketReduction, Codec, allgather_object, bucket_pieces
 from .config import check_codec
+from .feedback import ErrorFeedback
 from .statistics import WhiteningStatistics
 from .transforms import TRANSFORMS, TransformPlan
 
@@ -99,7 +100,7 @@ class GIFT(Compressor):
         self.buckets = _fill_buckets(compressed, {n: self.params[n].numel() for n in compressed},
                                      bucket_elements)
         self.bucket_of = {n: k for k, names in enumerate(self.buckets) for n in names}
-        self.residual1, self.residual2 = {}, {}
+        self.feedback = ErrorFeedback(self.params, residual_dtype) if error_feedback else None
         self.step = 0
         self._verify = True
         self._grad_names = {}
@@ -238,17 +239,12 @@ class GIFT(Compressor):
     def _start(self, bucket):
         names = self.buckets[bucket]
         flats = [self._u[n] if n in self._u else self._zeros(n, torch.float32) for n in names]
-        residual1 = None
-        if self.error_feedback:
-            residual1 = [_kept(self.residual1, n, lambda n=n: self._zeros(n, self.residual_dtype))
-                         for n in names]
+        residual1 = self.feedback.first_stage(names) if self.feedback else None
         reduction = BucketReduction(f"gift.b{bucket}", flats, self.codec, self.process_set,
                                     residual1, None, average=self.average, step=self.step)
-        if self.error_feedback:
-            reduction.residual2 = _kept(
-                self.residual2, bucket,
-                lambda: torch.zeros(reduction.owned, dtype=self.residual_dtype,
-                                    device=flats[0].device))
+        if self.feedback:
+            reduction.residual2 = self.feedback.second_stage(bucket, reduction.owned,
+                                                             flats[0].device)
         self._reductions[bucket] = reduction.start()
         self._counters["payload_bytes"] += sum(self.codec.payload_bytes(f.numel()) for f in flats)
 
@@ -279,7 +275,8 @@ class GIFT(Compressor):
             self._results[bucket] = dict(zip(self.buckets[bucket], results))
             self._counters["bytes_sent"] += reduction.bytes_sent
             self._counters["wait_seconds"] += reduction.wait_seconds
-            self._scrub_residuals(reduction)
+            if self.feedback:
+                self.feedback.scrub((reduction.residual1 or []) + [reduction.residual2])
         shape, dtype = self._shapes[name]
         u = self._results[bucket].pop(name)
         return self.plan.inverse(name, u, in_place=True).view(shape).to(dtype)
@@ -324,40 +321,13 @@ class GIFT(Compressor):
                                          "(a rank's gradient held NaN or Inf)")
 
     # ---------------------------------------------------------------- residuals
-    def _scrub_residuals(self, reduction):
-        """A non-finite gradient must not poison later steps through its residual. A sum is
-        non-finite if any element is (or on overflow, where scrubbing changes nothing), and 30x
-        cheaper than isfinite."""
-        residuals = list(reduction.residual1 or [])
-        if reduction.residual2 is not None:
-            residuals.append(reduction.residual2)
-        for r in residuals:
-            if not torch.isfinite(r.sum()):
-                r.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-
     def _fold_second_stage_residuals(self):
-        """Move each owner's stage-2 residual into its stage-1 residual (times n for an average:
-        stage 1 is summed, then averaged), so both live in per-parameter coordinates before a
-        transform changes."""
-        n, rank = self.process_set.size(), self.process_set.rank()
-        scale = n if self.average else 1
-        for bucket, r2 in self.residual2.items():
-            names = self.buckets[bucket]
-            sizes = [self.params[nm].numel() for nm in names]
-            offset = 0
-            for i, lo, hi in bucket_pieces(sizes, n, self.codec.align)[rank]:
-                r1 = _kept(self.residual1, names[i],
-                           lambda i=i: self._zeros(names[i], self.residual_dtype))
-                r1[lo:hi] += scale * r2[offset:offset + hi - lo]
-                offset += hi - lo
-            r2.zero_()
+        if self.feedback:
+            self.feedback.fold(self.buckets, self.process_set, self.codec.align, self.average)
 
     def _convert_residual(self, name, old_inverse):
-        """Re-express a stage-1 residual in the current transform's coordinates, in place."""
-        if name in self.residual1:
-            residual = self.residual1[name]
-            g = old_inverse(residual.to(torch.float32)).view(self.params[name].shape)
-            residual.copy_(self.plan.forward(name, g))
+        if self.feedback:
+            self.feedback.convert(name, old_inverse, lambda g: self.plan.forward(name, g))
 
     # ---------------------------------------------------------------- identity and agreement
     def _name_of(self, tensor):
@@ -424,8 +394,7 @@ class GIFT(Compressor):
         """Residuals of every rank, whitening statistics and factors, transform choices.
         Collective: call it on every rank (it gathers the per-rank residuals); save it from any
         one rank."""
-        local = {"residual1": {n: r.clone() for n, r in self.residual1.items()},
-                 "residual2": {k: r.clone() for k, r in self.residual2.items()}}
+        local = (self.feedback or ErrorFeedback(self.params)).state_dict()
         everyone = allgather_object(local, "gift.state_dict", self.process_set)
         return {"step": self.step, "config": self.config(), "ranks": everyone,
                 "statistics": self.statistics.state_dict(), "plan": self.plan.state_dict()}
@@ -437,26 +406,15 @@ class GIFT(Compressor):
         if len(state["ranks"]) != self.process_set.size():
             raise ValueError(f"GIFT.load_state_dict: saved on {len(state['ranks'])} ranks, running "
                              f"on {self.process_set.size()}: residuals cannot be mapped")
-        mine = state["ranks"][self.process_set.rank()]
-        # a checkpoint loaded with map_location="cpu" onto a model on the GPU: back to its device
-        self.residual1 = {n: r.to(self.params[n].device, copy=True)
-                          for n, r in mine["residual1"].items()}
-        self.residual2 = {k: r.to(self.params[self.buckets[k][0]].device, copy=True)
-                          for k, r in mine["residual2"].items()}
+        if self.feedback:
+            self.feedback.load_state_dict(state["ranks"][self.process_set.rank()],
+                                          lambda k: self.params[self.buckets[k][0]].device)
         self.step = state["step"]
         self.statistics.current_step = self.step
         self.statistics.load_state_dict(state["statistics"])
         self.plan.load_state_dict(state["plan"])
         self._verify = True
         self._reset_step()
-
-
-def _kept(store, key, make):
-    """store[key], made by make() only the first time: setdefault would build (and zero-fill) its
-    default on every call, 59 ms a step for a residual of 2**24 elements."""
-    if key not in store:
-        store[key] = make()
-    return store[key]
 
 
 def _fingerprint(value):
