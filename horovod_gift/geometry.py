@@ -6,9 +6,11 @@ HadamardRotation: u = H D x / sqrt(B) on blocks of the flattened tensor (kernels
 
 InputWhitening: the K-FAC input-side factor of an nn.Linear. With A = E[x x^T] of the layer's
 input activations (EMA over batches), A_hat = U_r Lam_r U_r^T + D, where (U_r, Lam_r) are the top
-r eigenpairs of A and D = max(diag(A - U_r Lam_r U_r^T), 0) + damping. Writing V = D^{-1/2} U_r,
-A_hat = D^{1/2} X D^{1/2} with X = I + V Lam_r V^T. With V = Q R (thin QR) and
-R Lam_r R^T = W Sig W^T, X = I + P Sig P^T for the orthonormal P = Q W, so
+r eigenpairs of A and D = max(diag(A - U_r Lam_r U_r^T), 0) + damping. A is kept as a Nystrom
+sketch (statistic="sketch", the default: O(in * (r + oversampling)) memory, and (U_r, Lam_r) are
+those of its approximation; sketch.py) or dense (statistic="dense", for comparison).
+Writing V = D^{-1/2} U_r, A_hat = D^{1/2} X D^{1/2} with X = I + V Lam_r V^T. With V = Q R (thin
+QR) and R Lam_r R^T = W Sig W^T, X = I + P Sig P^T for the orthonormal P = Q W, so
 X^{+-1/2} = I + P C_+- P^T with C_+- = (1 + Sig)^{+-1/2} - 1. S = D^{1/2} X^{1/2} has S S^T = A_hat;
     forward:  u = G S^{-T} = (G D^{-1/2}) X^{-1/2}        inverse:  G = u S^T = (u X^{1/2}) D^{1/2}
 each two products of cost O(out * in * r). Whitened activations S^{-1} x have covariance ~ I.
@@ -18,8 +20,12 @@ O(out * in^2), for comparison in the fidelity benchmark.
 import torch
 
 from .formats import rotate
+from .sketch import OVERSAMPLING, DenseCovariance, NystromSketch
 
+# The factors of the identity map: those of a layer before its first refresh.
+IDENTITY_FACTORS = {}
 SQUARE_ROOTS = ("lowrank", "cholesky", "symmetric")
+STATISTICS = ("sketch", "dense")
 
 
 class HadamardRotation:
@@ -48,80 +54,89 @@ class HadamardRotation:
 
 
 class InputWhitening:
-    """K-FAC input-side whitening of an nn.Linear weight gradient (out_features x in_features)."""
+    """K-FAC input-side whitening of an nn.Linear weight gradient (out_features x in_features).
+    The statistic is created on the device of the first activations (or mean) it is given."""
 
-    def __init__(self, in_features, rank=32, damping=1e-3, ema=0.95, sqrt="lowrank"):
+    def __init__(self, in_features, rank=32, damping=1e-3, ema=0.95, sqrt="lowrank",
+                 statistic="sketch", oversampling=OVERSAMPLING, seed=0):
         if sqrt not in SQUARE_ROOTS:
             raise ValueError(f"InputWhitening: unknown sqrt {sqrt!r}; expected one of {SQUARE_ROOTS}")
+        if statistic not in STATISTICS:
+            raise ValueError(f"InputWhitening: unknown statistic {statistic!r}; "
+                             f"expected one of {STATISTICS}")
         if not 0 <= ema < 1:
             raise ValueError(f"InputWhitening: ema must be in [0, 1), got {ema!r}")
         if damping <= 0:
             raise ValueError(f"InputWhitening: damping must be positive, got {damping!r}")
+        if oversampling < 0:
+            raise ValueError(f"InputWhitening: oversampling must be >= 0, got {oversampling!r}")
         self.in_features, self.rank = int(in_features), min(int(rank), int(in_features))
         self.damping, self.ema, self.sqrt = float(damping), float(ema), sqrt
-        self.covariance = None     # EMA of E[x x^T], fp64
-        self.updates = 0
-        self.factors = None        # set by refresh(); identity until the first update
+        if statistic == "sketch":
+            columns = min(self.rank + int(oversampling), self.in_features)
+            self.statistic = NystromSketch(self.in_features, columns, seed)
+        else:
+            self.statistic = DenseCovariance(self.in_features)
+        self.factors = None        # identity until the first fold with refresh
 
     # ---------------------------------------------------------------- statistics
     def update(self, activations):
-        """Fold a (tokens, in_features) batch (any leading dims) into the EMA of E[x x^T]."""
+        """Fold a (tokens, in_features) batch (any leading dims) into the EMA of A = E[x x^T] and
+        recompute the factors."""
         x = activations.detach().reshape(-1, activations.shape[-1])
         if x.shape[1] != self.in_features:
             raise ValueError(f"InputWhitening.update: activations have {x.shape[1]} features, "
                              f"expected {self.in_features}")
-        x = x.to(torch.float64)
-        batch = x.t() @ x / max(1, x.shape[0])
-        self.set_covariance(batch if self.covariance is None else self.ema * self.covariance + (1 - self.ema) * batch)
+        sums = torch.zeros(self.statistic.numel, dtype=self.statistic.dtype, device=x.device)
+        self.statistic.accumulate(x.to(self.statistic.dtype), sums)
+        self.fold(sums.div_(max(1, x.shape[0])))
 
-    def set_covariance(self, covariance, refresh=True):
-        """Replace the statistic (e.g. by its average over ranks); recompute the factors unless told
-        not to (another rank computes them and broadcasts them: see factors_to_tensor)."""
-        self.covariance = covariance.to(torch.float64)
-        self.updates += 1
+    def fold(self, mean, refresh=True):
+        """Blend a batch statistic (the statistic's accumulate() over the batch's tokens, e.g.
+        averaged over ranks) into the EMA; recompute the factors unless told not to (another rank
+        computes them and broadcasts them: see compute_factors and factors_to_tensor)."""
+        self.statistic.fold(mean, self.ema)
         if refresh:
-            self.refresh()
+            self.factors = self.compute_factors()
 
-    def blend(self, batch_covariance):
-        """The EMA of the statistic with a new batch covariance, without storing it."""
-        if self.covariance is None:
-            return batch_covariance.to(torch.float64)
-        return self.ema * self.covariance + (1 - self.ema) * batch_covariance.to(torch.float64)
+    @property
+    def trace(self):
+        """tr(A) in fp64 (exact for the sketch too: it keeps diag(A)); None before any statistic."""
+        return None if self.statistic.state is None else self.statistic.trace
 
     def factor_numel(self):
         return self.in_features * (self.rank + 1) + 2 * self.rank
 
-    def factors_to_tensor(self):
-        """The low-rank factors as one flat fp32 tensor, for a broadcast."""
-        f = self.factors
+    def factors_to_tensor(self, factors=None):
+        """The low-rank factors (given, or the current ones) as one flat fp32 tensor."""
+        f = self.factors if factors is None else factors
         return torch.cat([f["d_sqrt"], f["p"].reshape(-1), f["c_minus"], f["c_plus"]])
 
     def factors_from_tensor(self, flat):
         n, r = self.in_features, self.rank
         d_sqrt, p, c_minus, c_plus = torch.split(flat.to(torch.float32), [n, n * r, r, r])
-        return {"d_sqrt": d_sqrt.clone(), "p": p.reshape(n, r).clone(), "c_minus": c_minus.clone(), "c_plus": c_plus.clone()}
+        return {"d_sqrt": d_sqrt.clone(), "p": p.reshape(n, r).clone(), "c_minus": c_minus.clone(),
+                "c_plus": c_plus.clone()}
 
-    def refresh(self):
-        a = self.covariance
-        lam, vec = torch.linalg.eigh(a)
-        lam, vec = lam[-self.rank:].clamp_min(0), vec[:, -self.rank:]
-        d = (torch.diagonal(a) - (vec * vec) @ lam).clamp_min(0) + self.damping
+    def compute_factors(self):
+        """The factors of the current statistic (module docstring): fp64 math, fp32 result."""
+        lam, vec, diagonal = self.statistic.eigenpairs(self.rank)
+        d = (diagonal - (vec * vec) @ lam).clamp_min(0) + self.damping
         if self.sqrt == "lowrank":
             v = vec / d.sqrt()[:, None]
             q, r = torch.linalg.qr(v)
             sig, w = torch.linalg.eigh((r * lam) @ r.t())
             sig = sig.clamp_min(0)
-            p = q @ w
-            self.factors = {"d_sqrt": d.sqrt().float(), "p": p.float(),
-                            "c_minus": ((1 + sig).rsqrt() - 1).float(), "c_plus": ((1 + sig).sqrt() - 1).float()}
+            return {"d_sqrt": d.sqrt().float(), "p": (q @ w).float(),
+                    "c_minus": ((1 + sig).rsqrt() - 1).float(),
+                    "c_plus": ((1 + sig).sqrt() - 1).float()}
+        a_hat = (vec * lam) @ vec.t() + torch.diag(d)
+        if self.sqrt == "cholesky":
+            s = torch.linalg.cholesky(a_hat)
         else:
-            a_hat = (vec * lam) @ vec.t() + torch.diag(d)
-            if self.sqrt == "cholesky":
-                s = torch.linalg.cholesky(a_hat)
-            else:
-                e, u = torch.linalg.eigh(a_hat)
-                s = (u * e.clamp_min(0).sqrt()) @ u.t()
-            self.factors = {"s": s.float(), "s_inv": torch.linalg.inv(s).float()}
+            e, u = torch.linalg.eigh(a_hat)
+            s = (u * e.clamp_min(0).sqrt()) @ u.t()
+        return {"s": s.float(), "s_inv": torch.linalg.inv(s).float()}
 
     # ---------------------------------------------------------------- the map
     def _check(self, g, what):
@@ -143,7 +158,7 @@ class InputWhitening:
         if out is not None and (out.shape != g.shape or out.dtype != torch.float32):
             raise ValueError(f"InputWhitening.{what}: out must be float32 of shape {tuple(g.shape)}, "
                              f"got {out.dtype} {tuple(out.shape)}")
-        if f is None:
+        if not f:       # None or IDENTITY_FACTORS: no statistic yet
             return g.clone() if out is None else out.copy_(g)
         if self.sqrt == "lowrank":
             result = _lowrank_map(g, f, inverse=what == "inverse", out=out)
@@ -158,11 +173,11 @@ class InputWhitening:
         return self.forward(x)
 
     def state_dict(self):
-        return {"covariance": self.covariance, "updates": self.updates, "factors": self.factors}
+        return {"statistic": self.statistic.state, "factors": self.factors}
 
     def load_state_dict(self, state):
         """Restores the factors as saved (not recomputed), so a resumed run continues bit for bit."""
-        self.covariance, self.updates, self.factors = state["covariance"], state["updates"], state["factors"]
+        self.statistic.state, self.factors = state["statistic"], state["factors"]
 
 
 # On CPU the low-rank map runs on blocks of whole rows of about this many elements: each block's

@@ -1,25 +1,46 @@
-"""Whitening statistics: E[x x^T] of every nn.Linear's input, averaged over ranks, and factors that
-are bit-identical on every rank (each layer's factors are computed by one rank and broadcast)."""
-import torch
-import horovod.torch as hvd
+"""Whitening statistics: a Nystrom sketch of A = E[x x^T] of every trained nn.Linear's input
+(sketch.py), summed over ranks, and factors that are bit-identical on every rank (each statistic's
+factors are computed by one rank and broadcast).
 
-from .geometry import InputWhitening
+Layers that read the same input tensor (q/k/v of attention read one normed hidden state, gate/up
+of an MLP another) have the same A: they share one statistic and one set of factors. Sharing is
+found by the forward pre-hooks at the first statistics step: a layer whose first input of the step
+is a tensor an earlier layer read (same device, data pointer, shape, strides and dtype, and that
+tensor still alive, so its memory was not reused) shares the statistic of that layer, the owner
+(the first by forward order). The first refresh settles it: every rank reports what it saw, a
+layer takes the owner any rank saw it share (one no rank saw running owns its own), and ranks
+that saw the same layer share with different owners raise. Collective names derive from the
+owners, so they are identical on every rank.
+"""
+import weakref
+
+import horovod.torch as hvd
+import torch
+
+from .geometry import IDENTITY_FACTORS, InputWhitening
 
 
 class WhiteningStatistics:
     """Forward pre-hooks on the nn.Linear layers whose weights are trained; every `stat_every` steps
-    the hooks sum x x^T over that step's forward passes and refresh() turns the sums into factors."""
+    the owners' hooks sum their sketches over that step's forward passes and refresh() turns the
+    sums into factors. whitening maps every weight name to its InputWhitening (one object for the
+    layers that share an input, once sharing is settled)."""
 
     def __init__(self, model, params, rank, damping, stat_every, process_set):
-        self.stat_every, self.rank, self.process_set = stat_every, rank, process_set
-        self.whitening, self._sums, self._tokens = {}, {}, {}
+        self.stat_every, self.rank, self.damping = stat_every, rank, damping
+        self.process_set = process_set     # may be replaced before the first refresh
         self.current_step = 0
-        self._handles = []
+        self.whitening, self._modules, self._handles = {}, {}, []
+        self._sums = {}          # owner -> this step's [sketch sums, tokens], activations' device
+        self._owner = None       # weight name -> owner weight name, once settled
+        self._first_owner = {}   # until settled: weight name -> owner, from the layer's first input
+        self._readers = {}       # until settled: input key -> (weak reference to the input, owner)
         for module_name, module in model.named_modules():
             weight = f"{module_name}.weight" if module_name else "weight"
             if isinstance(module, torch.nn.Linear) and weight in params:
-                self.whitening[weight] = InputWhitening(module.in_features, rank=rank, damping=damping)
+                self._modules[weight] = module
                 self._handles.append(module.register_forward_pre_hook(self._hook(weight)))
+        self._share(None)
 
     def remove_hooks(self):
         for handle in self._handles:
@@ -27,51 +48,125 @@ class WhiteningStatistics:
 
     def _hook(self, name):
         def collect(module, inputs):
-            if self.due(self.current_step) and module.training and torch.is_grad_enabled():
-                x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).to(torch.float32)
-                xtx = (x.t() @ x).to(torch.float64)
-                self._sums[name] = self._sums[name] + xtx if name in self._sums else xtx
-                self._tokens[name] = self._tokens.get(name, 0) + x.shape[0]
+            if not (self.due(self.current_step) and module.training and torch.is_grad_enabled()):
+                return
+            if self._owner is not None:
+                owner = self._owner[name]
+            else:
+                owner = self._first_reader(name, inputs[0])
+            if owner != name:
+                return                       # the owner's hook sums this very input
+            statistic = self.whitening[name].statistic
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).to(statistic.dtype)
+            sums = self._sums.get(name)
+            if sums is None:
+                sums = self._sums[name] = torch.zeros(statistic.numel + 1, dtype=statistic.dtype,
+                                                      device=x.device)
+            statistic.accumulate(x, sums[:-1])
+            sums[-1] += x.shape[0]
         return collect
 
+    def _first_reader(self, name, x):
+        """The owner of `name`'s statistic, decided by the first input it reads while unsettled."""
+        if name not in self._first_owner:
+            key = (x.device, x.data_ptr(), tuple(x.shape), x.stride(), x.dtype)
+            reader = self._readers.get(key)
+            # A dead reference: that tensor is gone and its memory may hold another one now.
+            if reader is not None and reader[0]() is not None:
+                self._first_owner[name] = reader[1]
+            else:
+                self._first_owner[name] = name
+                self._readers[key] = (weakref.ref(x), name)
+        return self._first_owner[name]
+
+    def _share(self, owner_of):
+        """Make every weight name map to its owner's InputWhitening (fresh objects: statistics are
+        folded in only by refresh); owner_of None: each layer its own, sharing still unsettled."""
+        self._owner, self._first_owner, self._readers = owner_of, {}, {}
+        owners = {}
+        for name, module in self._modules.items():
+            owner = name if owner_of is None else owner_of[name]
+            if owner not in owners:
+                owners[owner] = InputWhitening(module.in_features, rank=self.rank,
+                                               damping=self.damping)
+            self.whitening[name] = owners[owner]
+
+    def _settle_sharing(self):
+        """Agree with the other ranks on who shares (module docstring); False if no rank has seen
+        a layer run yet (then sharing stays unsettled)."""
+        names = sorted(self._modules)
+        index = {name: i for i, name in enumerate(names)}
+        seen = [index[self._first_owner[name]] if name in self._first_owner else -1
+                for name in names]
+        # One max over ranks gives the largest owner index seen and (negated) the smallest.
+        votes = torch.tensor(seen + [-i if i >= 0 else -len(names) for i in seen],
+                             dtype=torch.int64, device="cpu")
+        votes = hvd.allreduce(votes, op=hvd.Max, name="gift.sharing",
+                              process_set=self.process_set).tolist()
+        largest, smallest = votes[:len(names)], [-v for v in votes[len(names):]]
+        if max(largest) < 0:
+            return False
+        disputed = [name for name, hi, lo in zip(names, largest, smallest)
+                    if hi >= 0 and hi != lo]
+        if disputed:
+            raise RuntimeError(f"WhiteningStatistics: ranks saw {', '.join(disputed)} read the "
+                               "input of different layers at the first statistics step; sharing "
+                               "must be the same on every rank")
+        self._share({name: names[hi] if hi >= 0 else name for name, hi in zip(names, largest)})
+        return True
+
     def due(self, step):
-        return bool(self.whitening) and step % self.stat_every == 0
+        return bool(self._modules) and step % self.stat_every == 0
 
     def refresh(self):
-        """Average this step's sums over ranks, update every layer's EMA, compute its factors on rank
-        (layer index mod ranks) and broadcast them. Returns {weight name: previous factors} of the
-        layers whose factors changed."""
-        names = sorted(self.whitening)
-        handles = []
-        for name in names:
-            w = self.whitening[name]
-            local = self._sums.get(name, torch.zeros(w.in_features, w.in_features, dtype=torch.float64))
-            packed = torch.cat([local.reshape(-1), torch.tensor([float(self._tokens.get(name, 0))], dtype=torch.float64)])
-            handles.append(hvd.allreduce_async(packed, op=hvd.Sum, name=f"gift.stats.{name}", process_set=self.process_set))
-        self._sums, self._tokens = {}, {}
+        """Sum this step's sketches over ranks, fold them into every statistic's EMA, compute its
+        factors on rank (owner index mod ranks) and broadcast them. Returns {weight name: previous
+        factors} for every layer whose factors changed (all the layers sharing a statistic)."""
+        if self._owner is None and not self._settle_sharing():
+            return {}
+        owners = sorted(set(self._owner.values()))
+        reductions = []
+        for owner in owners:
+            statistic = self.whitening[owner].statistic
+            sums = self._sums.get(owner)
+            if sums is None:                 # not run here this step: add nothing
+                sums = torch.zeros(statistic.numel + 1, dtype=statistic.dtype,
+                                   device=self._modules[owner].weight.device)
+            reductions.append(hvd.allreduce_async_(sums, op=hvd.Sum, name=f"gift.stats.{owner}",
+                                                   process_set=self.process_set))
+        self._sums = {}
         n, me = self.process_set.size(), self.process_set.rank()
-        updated = []
-        for i, (name, handle) in enumerate(zip(names, handles)):
-            packed = hvd.synchronize(handle)
-            tokens, w = float(packed[-1]), self.whitening[name]
-            if tokens == 0 or not torch.isfinite(packed).all():      # identical verdict on every rank
+        broadcasts = []
+        for i, (owner, handle) in enumerate(zip(owners, reductions)):
+            sums = hvd.synchronize(handle)
+            tokens, w = float(sums[-1]), self.whitening[owner]
+            if tokens == 0 or not torch.isfinite(sums).all():      # identical verdict on every rank
                 continue
-            owner = i % n
-            w.set_covariance(w.blend(packed[:-1].view(w.in_features, w.in_features) / tokens), refresh=owner == me)
-            flat = w.factors_to_tensor() if owner == me else torch.empty(w.factor_numel())
-            root = self.process_set.ranks[owner] if self.process_set.ranks else owner   # Horovod wants a global rank
-            updated.append((name, hvd.broadcast_async(flat, root_rank=root, name=f"gift.factors.{name}",
-                                                      process_set=self.process_set)))
+            root = i % n
+            w.fold(sums[:-1].div_(tokens), refresh=False)
+            flat = (w.factors_to_tensor(w.compute_factors()) if root == me
+                    else torch.empty(w.factor_numel(), dtype=torch.float32, device=sums.device))
+            global_root = self.process_set.ranks[root] if self.process_set.ranks else root
+            broadcasts.append((owner, hvd.broadcast_async_(flat, root_rank=global_root,
+                                                           name=f"gift.factors.{owner}",
+                                                           process_set=self.process_set)))
         changed = {}
-        for name, handle in updated:
-            w = self.whitening[name]
-            changed[name] = w.factors
-            w.factors = w.factors_from_tensor(hvd.synchronize(handle))
+        for owner, handle in broadcasts:
+            w = self.whitening[owner]
+            previous, w.factors = w.factors, w.factors_from_tensor(hvd.synchronize(handle))
+            # residuals made before the first refresh are in unwhitened coordinates
+            previous = IDENTITY_FACTORS if previous is None else previous
+            changed.update({name: previous for name, o in self._owner.items() if o == owner})
         return changed
 
     def state_dict(self):
-        return {name: w.state_dict() for name, w in self.whitening.items()}
+        """The owners (None while unsettled) and each distinct statistic's state, by owner."""
+        owner_of = self._owner or {name: name for name in self.whitening}
+        return {"owner": self._owner,
+                "whitening": {name: w.state_dict() for name, w in self.whitening.items()
+                              if owner_of[name] == name}}
 
     def load_state_dict(self, state):
-        for name, w in self.whitening.items():
-            w.load_state_dict(state[name])
+        self._share(state["owner"])
+        for name, w_state in state["whitening"].items():
+            self.whitening[name].load_state_dict(w_state)

@@ -87,9 +87,11 @@ def test_whitening_with_full_rank_gives_identity_covariance():
 
 @pytest.mark.parametrize("sqrt", ["lowrank", "cholesky", "symmetric"])
 def test_low_rank_whitening_flattens_the_spectrum(sqrt):
+    """Every square root, from the exact top eigenpairs (the dense statistic). The sketch's
+    eigenpairs are approximate on this flat noise floor: tests/test_sketch.py."""
     x = spiked_activations()
     before = torch.linalg.cond(covariance(x))
-    w = gift.InputWhitening(96, rank=8, damping=1e-3, sqrt=sqrt)
+    w = gift.InputWhitening(96, rank=8, damping=1e-3, sqrt=sqrt, statistic="dense")
     w.update(x)
     after = torch.linalg.cond(covariance(w.whiten_activations(x)))
     assert before > 1000 and after < 2.5
@@ -151,17 +153,24 @@ def test_whitening_into_out_or_in_place_gives_the_same_bits(sqrt, monkeypatch):
         w.forward(g, out=torch.empty(30, 64, dtype=torch.float64))
 
 
-def test_whitening_statistic_is_an_ema_and_checks_shapes():
-    w = gift.InputWhitening(4, rank=2, ema=0.5)
+@pytest.mark.parametrize("statistic", ["sketch", "dense"])
+def test_whitening_statistic_is_an_ema_and_checks_shapes(statistic):
+    w = gift.InputWhitening(4, rank=2, ema=0.5, statistic=statistic)
     a, b = torch.randn(100, 4), torch.randn(100, 4) * 3
     w.update(a)
     w.update(b)
-    assert torch.allclose(w.covariance, 0.5 * covariance(a) + 0.5 * covariance(b))
+    blend = 0.5 * covariance(a) + 0.5 * covariance(b)
+    if statistic == "dense":
+        assert torch.allclose(w.statistic.state.view(4, 4), blend)
+    else:                                   # Y = A Omega and diag(A), fp32
+        y = w.statistic.state[:-4].view(4, -1).double()
+        assert torch.allclose(y, blend @ w.statistic.omega("cpu").double(), rtol=1e-5, atol=1e-5)
+        assert torch.allclose(w.statistic.diagonal.double(), blend.diagonal(), rtol=1e-5)
     with pytest.raises(ValueError, match="activations have 5 features, expected 4"):
         w.update(torch.randn(3, 5))
     with pytest.raises(ValueError, match=r"expected a \(out, 4\) tensor"):
         w.forward(torch.randn(4, 3))
-    restored = gift.InputWhitening(4, rank=2, ema=0.5)
+    restored = gift.InputWhitening(4, rank=2, ema=0.5, statistic=statistic)
     restored.load_state_dict(w.state_dict())
     g = torch.randn(3, 4)
     assert torch.equal(restored.forward(g), w.forward(g))
