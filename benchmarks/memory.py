@@ -131,7 +131,8 @@ def launch(arm, args):
     out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:
-        raise SystemExit(f"{arm}: exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        raise SystemExit(f"{arm}: exit {out.returncode}\n{out.stdout[-3000:]}\n"
+                         f"{out.stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -182,7 +183,8 @@ def report(results, args):
               "|---|---|---|---|---|"]
     for (model, params, stats, fp32), (_, _, _, bf16) in zip(
             extrapolate(per_feature, args.np, 4), extrapolate(per_feature, args.np, 2)):
-        lines.append(f"| {model} | {params / 1e9:.2f}B | {stats:.4f}x | {fp32:.2f}x | {bf16:.2f}x |")
+        lines.append(f"| {model} | {params / 1e9:.2f}B | {stats:.4f}x | {fp32:.2f}x | "
+                     f"{bf16:.2f}x |")
     return "\n".join(lines)
 
 

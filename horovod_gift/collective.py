@@ -12,6 +12,7 @@ No FP8 arithmetic sums (no overflow), and no scale is ever local to one rank (no
 piece has its own scales, so a non-finite tensor poisons only itself.
 Bytes sent per rank: 2 (n-1)/n * elements * bits/8 plus the scales.
 """
+
 import pickle
 import time
 from dataclasses import dataclass
@@ -55,9 +56,12 @@ class Codec:
         if flat.numel() == 0:
             return torch.empty(0, dtype=torch.uint8, device=flat.device)
         narrow = residual is not None and residual.dtype != torch.float32
-        wide = workspace(flat.numel(), flat.device, "residual").copy_(residual) if narrow else residual
-        codes, scales, tensor_scale = quantize(flat, self.format, self.block_size,
-                                               self.rounding == "stochastic", seed, wide)
+        wide = (
+            workspace(flat.numel(), flat.device, "residual").copy_(residual) if narrow else residual
+        )
+        codes, scales, tensor_scale = quantize(
+            flat, self.format, self.block_size, self.rounding == "stochastic", seed, wide
+        )
         if narrow:
             residual.copy_(wide)
         parts = [codes, scales.reshape(-1).view(torch.uint8)]
@@ -71,18 +75,21 @@ class Codec:
         codes = payload[:c]
         # pieces start at any byte offset; fp32 views need 4-byte alignment, hence the copies
         if self.format == "nvfp4":
-            return codes, payload[c:c + s], payload[c + s:c + s + t].clone().view(torch.float32)
-        return codes, payload[c:c + s].clone().view(torch.float32), None
+            return codes, payload[c : c + s], payload[c + s : c + s + t].clone().view(torch.float32)
+        return codes, payload[c : c + s].clone().view(torch.float32), None
 
     def decode(self, payload, m, out=None):
         """The m fp32 values of a payload, into out (m contiguous fp32 elements) if given."""
         if m == 0:
-            return torch.empty(0, dtype=torch.float32, device=payload.device) if out is None else out
+            return (
+                torch.empty(0, dtype=torch.float32, device=payload.device) if out is None else out
+            )
         return dequantize(*self.split(payload, m), m, self.format, self.block_size, out=out)
 
 
 def chunk_bounds(total, n, align):
-    """n contiguous [start, end) ranges covering total elements, boundaries on multiples of align."""
+    """n contiguous [start, end) ranges covering total elements, boundaries on multiples of
+    align."""
     units = -(-total // align)
     per, extra = divmod(units, n)
     bounds, start = [], 0
@@ -99,28 +106,48 @@ def bucket_pieces(sizes, n, align):
     offsets = [0]
     for size in sizes:
         offsets.append(offsets[-1] + size)
-    return [[(i, max(start, offsets[i]) - offsets[i], min(end, offsets[i + 1]) - offsets[i])
-             for i in range(len(sizes)) if max(start, offsets[i]) < min(end, offsets[i + 1])]
-            for start, end in chunk_bounds(offsets[-1], n, align)]
+    return [
+        [
+            (i, max(start, offsets[i]) - offsets[i], min(end, offsets[i + 1]) - offsets[i])
+            for i in range(len(sizes))
+            if max(start, offsets[i]) < min(end, offsets[i + 1])
+        ]
+        for start, end in chunk_bounds(offsets[-1], n, align)
+    ]
 
 
 def mix_seed(*values):
-    """A 31-bit seed from integers, the same in every process (hash of an int tuple is not salted)."""
+    """A 31-bit seed from integers, the same in every process (the hash of an int tuple is not
+    salted)."""
     return hash(tuple(values)) & 0x7FFFFFFF
 
 
 class BucketReduction:
     """One quantized reduction of a list of flat fp32 tensors: start() -> exchange() -> finish()."""
 
-    def __init__(self, name, flats, codec, process_set=hvd.global_process_set, residual1=None, residual2=None,
-                 average=True, step=0):
+    def __init__(
+        self,
+        name,
+        flats,
+        codec,
+        process_set=hvd.global_process_set,
+        residual1=None,
+        residual2=None,
+        average=True,
+        step=0,
+    ):
         self.name, self.flats, self.codec, self.process_set = name, flats, codec, process_set
-        self.residual1, self.residual2, self.average, self.step = residual1, residual2, average, step
+        self.residual1, self.residual2, self.average, self.step = (
+            residual1,
+            residual2,
+            average,
+            step,
+        )
         self.n, self.rank = process_set.size(), process_set.rank()
         self.pieces = bucket_pieces([f.numel() for f in flats], self.n, codec.align)
         self.owned = sum(hi - lo for _, lo, hi in self.pieces[self.rank])
         self.bytes_sent = 0
-        self.wait_seconds = 0.0          # blocked in hvd.synchronize
+        self.wait_seconds = 0.0  # blocked in hvd.synchronize
 
     def _no_bytes(self):
         return torch.empty(0, dtype=torch.uint8, device=self.flats[0].device)
@@ -134,16 +161,24 @@ class BucketReduction:
     def start(self):
         payloads = []
         for k, chunk in enumerate(self.pieces):
-            parts = [self.codec.encode(self.flats[i][lo:hi],
-                                       None if self.residual1 is None else self.residual1[i][lo:hi],
-                                       mix_seed(self.codec.seed, self.step, self.rank, k, i, 1))
-                     for i, lo, hi in chunk]
+            parts = [
+                self.codec.encode(
+                    self.flats[i][lo:hi],
+                    None if self.residual1 is None else self.residual1[i][lo:hi],
+                    mix_seed(self.codec.seed, self.step, self.rank, k, i, 1),
+                )
+                for i, lo, hi in chunk
+            ]
             payloads.append(torch.cat(parts) if parts else self._no_bytes())
         # Horovod reads the splits on the host, whatever the payload's device
         splits = torch.tensor([p.numel() for p in payloads], dtype=torch.int32, device="cpu")
         self.bytes_sent += int(splits.sum()) - int(splits[self.rank])
-        self._handle = hvd.alltoall_async(torch.cat(payloads), splits=splits, name=f"{self.name}.reduce_scatter",
-                                          process_set=self.process_set)
+        self._handle = hvd.alltoall_async(
+            torch.cat(payloads),
+            splits=splits,
+            name=f"{self.name}.reduce_scatter",
+            process_set=self.process_set,
+        )
         return self
 
     def exchange(self):
@@ -153,38 +188,59 @@ class BucketReduction:
         for i, lo, hi in self.pieces[self.rank]:
             m = hi - lo
             size = self.codec.payload_bytes(m)
-            pieces = [self.codec.split(src[position:position + size], m) for src in sources]
+            pieces = [self.codec.split(src[position : position + size], m) for src in sources]
             position += size
-            total = accumulate(torch.stack([p[0] for p in pieces]), torch.stack([p[1] for p in pieces]),
-                               None if pieces[0][2] is None else torch.cat([p[2] for p in pieces]),
-                               m, self.codec.format, self.codec.block_size, out=workspace(m, received.device, "sum"))
+            total = accumulate(
+                torch.stack([p[0] for p in pieces]),
+                torch.stack([p[1] for p in pieces]),
+                None if pieces[0][2] is None else torch.cat([p[2] for p in pieces]),
+                m,
+                self.codec.format,
+                self.codec.block_size,
+                out=workspace(m, received.device, "sum"),
+            )
             if self.average:
                 total.div_(self.n)
-            residual = None if self.residual2 is None else self.residual2[offset:offset + m]
-            parts.append(self.codec.encode(total, residual, mix_seed(self.codec.seed, self.step, self.rank, i, 2)))
+            residual = None if self.residual2 is None else self.residual2[offset : offset + m]
+            parts.append(
+                self.codec.encode(
+                    total, residual, mix_seed(self.codec.seed, self.step, self.rank, i, 2)
+                )
+            )
             offset += m
         mine = torch.cat(parts) if parts else self._no_bytes()
         self.bytes_sent += mine.numel() * (self.n - 1)
-        self._handle = hvd.allgather_async(mine, name=f"{self.name}.allgather", process_set=self.process_set)
+        self._handle = hvd.allgather_async(
+            mine, name=f"{self.name}.allgather", process_set=self.process_set
+        )
         return self
 
     def finish(self, over_inputs=False):
-        """The reduced tensors, flat fp32, identical on every rank. over_inputs: written over the input
-        tensors, whose values start() has sent, instead of new ones: on CPU a new tensor of over 32 MB
-        costs a page fault per 4 KB (finish() of a 2**24-element tensor on 2 ranks: 80 -> 28 ms)."""
+        """The reduced tensors, flat fp32, identical on every rank. over_inputs: written over the
+        input tensors, whose values start() has sent, instead of new ones: on CPU a new tensor of
+        over 32 MB costs a page fault per 4 KB (finish() of a 2**24-element tensor on 2 ranks:
+        80 -> 28 ms)."""
         gathered = self._wait(self._handle)
         out = self.flats if over_inputs else [torch.empty_like(f) for f in self.flats]
         position = 0
         for chunk in self.pieces:
             for i, lo, hi in chunk:
                 size = self.codec.payload_bytes(hi - lo)
-                self.codec.decode(gathered[position:position + size], hi - lo, out=out[i][lo:hi])
+                self.codec.decode(gathered[position : position + size], hi - lo, out=out[i][lo:hi])
                 position += size
         return out
 
 
-def allreduce(tensor, name, format="fp8_e4m3", op=None, block_size=None, rounding="nearest", seed=0,
-              process_set=hvd.global_process_set):
+def allreduce(
+    tensor,
+    name,
+    format="fp8_e4m3",
+    op=None,
+    block_size=None,
+    rounding="nearest",
+    seed=0,
+    process_set=hvd.global_process_set,
+):
     """Average (op=hvd.Average, the default) or sum (hvd.Sum) `tensor` over the ranks through the
     quantized path, without transform or error feedback. Returns a new tensor of tensor's dtype,
     bit-identical on every rank."""
@@ -192,18 +248,24 @@ def allreduce(tensor, name, format="fp8_e4m3", op=None, block_size=None, roundin
     if op not in (hvd.Average, hvd.Sum):
         raise ValueError(f"gift.allreduce({name!r}): op must be hvd.Average or hvd.Sum")
     if not tensor.is_floating_point():
-        raise TypeError(f"gift.allreduce({name!r}): expected a floating-point tensor, got {tensor.dtype}")
+        raise TypeError(
+            f"gift.allreduce({name!r}): expected a floating-point tensor, got {tensor.dtype}"
+        )
     codec = Codec(format, block_size, rounding, seed)
     flat = tensor.detach().reshape(-1).to(torch.float32).contiguous()
-    reduction = BucketReduction(f"gift.allreduce.{name}", [flat], codec, process_set, average=op == hvd.Average)
+    reduction = BucketReduction(
+        f"gift.allreduce.{name}", [flat], codec, process_set, average=op == hvd.Average
+    )
     (result,) = reduction.start().exchange().finish()
     return result.view(tensor.shape).to(tensor.dtype)
 
 
 def allgather_object(obj, name, process_set=hvd.global_process_set):
-    """Every rank's picklable obj, in rank order (hvd.allgather_object has no process_set in 0.28)."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)     # on the host
-    sizes = hvd.allgather(torch.tensor([data.numel()], device="cpu"), name=f"{name}.sizes",
-                          process_set=process_set)
+    """Every rank's picklable obj, in rank order (hvd.allgather_object has no process_set in
+    0.28)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)  # on the host
+    sizes = hvd.allgather(
+        torch.tensor([data.numel()], device="cpu"), name=f"{name}.sizes", process_set=process_set
+    )
     gathered = hvd.allgather(data, name=f"{name}.data", process_set=process_set)
     return [pickle.loads(part.numpy().tobytes()) for part in torch.split(gathered, sizes.tolist())]

@@ -28,7 +28,7 @@ from horovod.torch.compression import Compressor
 from horovod_gift.kernels.hadamard import LANES
 
 from . import horovod_internals as internals
-from .collective import BucketReduction, Codec, allgather_object, bucket_pieces
+from .collective import BucketReduction, Codec, allgather_object
 from .config import check_codec
 from .feedback import ErrorFeedback
 from .statistics import WhiteningStatistics
@@ -38,7 +38,6 @@ HOROVOD_DTYPES = (torch.float16, torch.float32, torch.float64)
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
 # The statistics and their forward hooks exist only where a whitening transform can be chosen.
 WHITENING_TRANSFORMS = ("auto", "whiten", "whiten+hadamard")
-CPU = torch.device("cpu")       # Horovod's metadata (placeholders, roll calls) lives here
 
 
 class GIFT(Compressor):
@@ -52,7 +51,8 @@ class GIFT(Compressor):
     compressor; a set given here must be that optimizer's, or every rank raises at the first step.
     residual_dtype: torch.float32 (default) or torch.bfloat16 for the error-feedback residuals.
     They hold 1 + 1/ranks parameter elements per parameter element (stage 1 per tensor, stage 2
-    per owned chunk): 4 (1 + 1/n) bytes per parameter in fp32, half that in bf16. bf16 keeps
+    per owned chunk): 4 (1 + 1/n) bytes per parameter in fp32, half that in bf16 (plus an fp32
+    workspace the size of the largest piece encoded). bf16 keeps
     about 3 significant digits of an error that is itself ~1e-2 of the gradient, and costs one
     conversion pass per encode.
     """
@@ -90,19 +90,22 @@ class GIFT(Compressor):
         self.params = dict(params)
         self.frozen_at_start = sorted(n for n, p in params if not p.requires_grad)
         self._late_reported = []
-        whitenable = dict(trainable) if transform in WHITENING_TRANSFORMS else {}
-        self.statistics = WhiteningStatistics(model, whitenable, whitening_rank, damping,
-                                              stat_every, self.process_set)
-        self.plan = TransformPlan(self.params, transform, self.statistics, hadamard_block, seed)
         sparse = _sparse_gradient_parameters(model)
         compressed = [n for n, p in reversed(trainable)           # backward order
                       if p.numel() >= min_elements and n not in sparse]
+        # only tensors that are compressed can be whitened
+        whitenable = ({n: self.params[n] for n in compressed}
+                      if transform in WHITENING_TRANSFORMS else {})
+        self.statistics = WhiteningStatistics(model, whitenable, whitening_rank, damping,
+                                              stat_every, self.process_set)
+        self.plan = TransformPlan(self.params, transform, self.statistics, hadamard_block, seed)
         self.buckets = _fill_buckets(compressed, {n: self.params[n].numel() for n in compressed},
                                      bucket_elements)
         self.bucket_of = {n: k for k, names in enumerate(self.buckets) for n in names}
         self.feedback = ErrorFeedback(self.params, residual_dtype) if error_feedback else None
         self.step = 0
         self._verify = True
+        self._pending_residuals = None    # every rank's, loaded before the process set was known
         self._grad_names = {}
         self._counters = dict(elements=0, bytes_sent=0, payload_bytes=0, uncompressed_elements=0,
                               seconds_in_gift=0.0, wait_seconds=0.0, joined_steps=0)
@@ -159,7 +162,7 @@ class GIFT(Compressor):
     def _compress(self, tensor):
         name = self._name_of(tensor)
         if not self._in_step:
-            self._begin_step()
+            self._begin_step(tensor.device)
         self._outstanding += 1
         self._sent.add(name)
         self._counters["elements"] += tensor.numel()
@@ -174,7 +177,8 @@ class GIFT(Compressor):
         bucket = self.bucket_of[name]
         if all(n in self._u for n in self.buckets[bucket]):
             self._start(bucket)
-        return torch.zeros(1, device=CPU), ("gift", name, tensor.dtype)
+        # on the gradient's device: Horovod's grouped allreduce (groups=) wants one device a group
+        return torch.zeros(1, device=tensor.device), ("gift", name, tensor.dtype)
 
     def _decompress(self, tensor, ctx):
         kind, name, dtype = ctx
@@ -198,9 +202,11 @@ class GIFT(Compressor):
         self._u, self._shapes, self._reductions, self._results = {}, {}, {}, {}
         self._exchanged = False
 
-    def _begin_step(self):
+    def _begin_step(self, device):
         self._in_step = True
-        self._joined = not self._roll_call()
+        if self._pending_residuals is not None:
+            self._load_residuals(self._pending_residuals)
+        self._joined = not self._roll_call(device)
         if self._joined:                # every tensor takes Horovod's fp32 path; nothing else runs
             self._counters["joined_steps"] += 1
             return
@@ -220,20 +226,22 @@ class GIFT(Compressor):
             if self.step == 0 and self.verbose and hvd.rank() == 0:
                 print(f"[horovod-gift] {self.describe()}", file=sys.stderr, flush=True)
 
-    def _roll_call(self):
+    def _roll_call(self, device):
         """Whether every rank of the process set is in this step. A rank that has called
         hvd.join() contributes zeros to allreduces, the only collective Horovod's join supports
         (its alltoall and allgather crash), so one allreduce of (present, step) per rank tells
         every rank the same answer. Ranks that joined early come back with fewer steps: all take
-        the largest count, so seeds, refreshes and collective names stay in step."""
+        the largest count, so seeds, refreshes and collective names stay in step. It lives on the
+        gradients' device, where a joined rank makes its zeros (hvd.join(device))."""
         n, me = self.process_set.size(), self.process_set.rank()
-        roll = torch.zeros(2 * n, dtype=torch.float64, device=CPU)
+        roll = torch.zeros(2 * n, dtype=torch.float64, device=device)
         roll[me], roll[n + me] = 1.0, float(self.step)
-        roll = hvd.allreduce(roll, op=hvd.Sum, name="gift.roll_call", process_set=self.process_set)
-        if not bool((roll[:n] == 1).all()):
+        roll = hvd.allreduce(roll, op=hvd.Sum, name="gift.roll_call",
+                             process_set=self.process_set).tolist()
+        if any(present != 1 for present in roll[:n]):
             return False
         if not self._verify:    # a mismatch before the first check is an error that check reports
-            self.step = int(roll[n:].max())
+            self.step = int(max(roll[n:]))
         return True
 
     def _start(self, bucket):
@@ -355,6 +363,15 @@ class GIFT(Compressor):
                     nonfinite=self.nonfinite, residual_dtype=str(self.residual_dtype),
                     model=_fingerprint((self.buckets, shapes)))
 
+    def _load_residuals(self, ranks):
+        self._pending_residuals = None
+        if len(ranks) != self.process_set.size():
+            raise ValueError(f"GIFT.load_state_dict: saved on {len(ranks)} ranks, running "
+                             f"on {self.process_set.size()}: residuals cannot be mapped")
+        if self.feedback:
+            self.feedback.load_state_dict(ranks[self.process_set.rank()],
+                                          lambda k: self.params[self.buckets[k][0]].device)
+
     def _check_ranks_agree(self):
         """Collective, at the first step and the first after load_state_dict: every rank raises
         the same error if the configuration, the model's parameters or the step count differ."""
@@ -403,12 +420,9 @@ class GIFT(Compressor):
         if state["config"] != self.config():
             raise ValueError(f"GIFT.load_state_dict: saved with {state['config']}, "
                              f"this GIFT is {self.config()}")
-        if len(state["ranks"]) != self.process_set.size():
-            raise ValueError(f"GIFT.load_state_dict: saved on {len(state['ranks'])} ranks, running "
-                             f"on {self.process_set.size()}: residuals cannot be mapped")
-        if self.feedback:
-            self.feedback.load_state_dict(state["ranks"][self.process_set.rank()],
-                                          lambda k: self.params[self.buckets[k][0]].device)
+        self._pending_residuals = state["ranks"]
+        if self._optimizer is not None or self.requested_process_set is not None:
+            self._load_residuals(state["ranks"])    # else at the first step, once it is known
         self.step = state["step"]
         self.statistics.current_step = self.step
         self.statistics.load_state_dict(state["statistics"])

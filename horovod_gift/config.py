@@ -5,6 +5,7 @@ Triton interpreter is 100-1000x slower). `HOROVOD_GIFT_KERNELS=triton` or `use_k
 forces the kernels for every tensor (tests run them in the interpreter with TRITON_INTERPRET=1);
 `"torch"` forces the torch path.
 """
+
 import contextlib
 import os
 
@@ -42,8 +43,16 @@ def check_codec(format, block_size, rounding, where="encode"):
         raise ValueError(f"{where}: unknown rounding {rounding!r}; expected one of {ROUNDINGS}")
     if format == "nvfp4":
         if block_size not in (None, 16):
-            raise ValueError(f"{where}: nvfp4 has fixed 16-element blocks; got block_size={block_size!r}")
-    elif block_size is not None and (not isinstance(block_size, int) or block_size < 1
-                                     or block_size & (block_size - 1) or block_size > 4096):
-        raise ValueError(f"{where}: block_size must be None (one scale per tensor) or a power of two "
-                         f"from 1 to 4096; got {block_size!r}")
+            raise ValueError(
+                f"{where}: nvfp4 has fixed 16-element blocks; got block_size={block_size!r}"
+            )
+    elif block_size is not None and (
+        not isinstance(block_size, int)
+        or block_size < 1
+        or block_size & (block_size - 1)
+        or block_size > 4096
+    ):
+        raise ValueError(
+            f"{where}: block_size must be None (one scale per tensor) or a power of two "
+            f"from 1 to 4096; got {block_size!r}"
+        )

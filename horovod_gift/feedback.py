@@ -10,6 +10,8 @@ the new coordinates (convert), so no error is lost or counted in the wrong basis
 Memory: r1 has a parameter's elements, r2 a 1/ranks share of each bucket: (1 + 1/n) elements per
 parameter element, in `dtype` (fp32, or bf16 for half of it).
 """
+import math
+
 import torch
 
 from .collective import bucket_pieces
@@ -39,9 +41,15 @@ class ErrorFeedback:
     def scrub(self, residuals):
         """A non-finite gradient must not poison later steps through its residual. A sum is
         non-finite if any element is (or on overflow, where scrubbing changes nothing), and 30x
-        cheaper than isfinite."""
-        for r in residuals:
-            if r is not None and not torch.isfinite(r.sum()):
+        cheaper than isfinite; one verdict for all of them (one host sync on a GPU)."""
+        residuals = [r for r in residuals if r is not None and r.numel()]
+        if not residuals:
+            return
+        sums = torch.stack([r.sum(dtype=torch.float32) for r in residuals])
+        if bool(torch.isfinite(sums).all()):
+            return
+        for r, total in zip(residuals, sums.tolist()):
+            if not math.isfinite(total):
                 r.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
     def fold(self, buckets, process_set, align, average):
@@ -67,8 +75,10 @@ class ErrorFeedback:
             residual.copy_(new_forward(g))
 
     def state_dict(self):
-        return {"residual1": {n: r.clone() for n, r in self.stage1.items()},
-                "residual2": {k: r.clone() for k, r in self.stage2.items()}}
+        """Host copies: gathered from every rank, GPU tensors would be unpickled onto the GPU
+        each came from, on every rank."""
+        return {"residual1": {n: r.to("cpu", copy=True) for n, r in self.stage1.items()},
+                "residual2": {k: r.to("cpu", copy=True) for k, r in self.stage2.items()}}
 
     def load_state_dict(self, state, bucket_device):
         """Residuals back on their parameters' devices (a checkpoint loaded with

@@ -6,6 +6,7 @@
 Values are computed in fp32. Non-finite input never becomes finite output: the whole tensor
 decodes to NaN (so loss scalers see it), or encode raises with nonfinite="raise".
 """
+
 import functools
 import os
 import threading
@@ -16,7 +17,13 @@ from typing import Optional
 import torch
 
 from horovod_gift.kernels import fp8, fused, nvfp4
-from horovod_gift.kernels.hadamard import LANES, hadamard_blocks_torch, hadamard_torch, hadamard_triton, random_signs_torch
+from horovod_gift.kernels.hadamard import (
+    LANES,
+    hadamard_blocks_torch,
+    hadamard_torch,
+    hadamard_triton,
+    random_signs_torch,
+)
 from horovod_gift.kernels.rounding import eager
 
 from .config import check_codec, runs_triton
@@ -26,6 +33,7 @@ from .config import check_codec, runs_triton
 class Encoded:
     """A quantized tensor. codes: uint8 (two NVFP4 codes a byte); scales: fp32 per block or per
     tensor for FP8, E4M3 codes per 16-block for NVFP4; tensor_scale: NVFP4's fp32 tensor scale."""
+
     format: str
     shape: torch.Size
     dtype: torch.dtype
@@ -70,24 +78,36 @@ def compiled(fn, *constants):
     closed over and the tensors' sizes marked dynamic: Inductor then sees block sizes as fixed and
     vectorizes over them (with dynamic=True they become symbolic and the code runs 7x slower)."""
     import torch._dynamo
+
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
 
     def run(*tensors):
         return fn(*tensors, *constants)
+
     # A code object of its own per graph: Dynamo keeps what it learned about dynamic values per code
     # object (and name), and a block size seen to change across graphs would turn symbolic.
     name = f"{fn.__name__}_{'_'.join(map(str, constants))}".replace(".", "_").replace(" ", "")
-    run = types.FunctionType(run.__code__.replace(co_name=name, co_qualname=name), run.__globals__, name, None,
-                             run.__closure__)
+    run = types.FunctionType(
+        run.__code__.replace(co_name=name, co_qualname=name),
+        run.__globals__,
+        name,
+        None,
+        run.__closure__,
+    )
     graph = torch.compile(run)
 
     def call(*tensors):
-        for t in tensors:     # sizes vary by tensor and bucket; small dims (ranks, scales, a block's 16) stay fixed
+        for t in (
+            tensors
+        ):  # sizes vary by tensor and bucket; small dims (ranks, scales, a block's 16) stay fixed
             if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] > 64:
                 torch._dynamo.maybe_mark_dynamic(t, t.dim() - 1)
-            elif isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] > 64:     # (blocks, 16) rows
+            elif (
+                isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] > 64
+            ):  # (blocks, 16) rows
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         return graph(*tensors)
+
     return call
 
 
@@ -135,7 +155,7 @@ def rotate(flat, rotation, inverse=False, out=None):
             compiled(_rotate_in_place, block, inverse)(*_spans((flat, signs), part, block))
         else:
             compiled(_rotate_into, block, inverse)(*_spans((flat, signs, out), part, block))
-    if spans < flat.numel():        # the remainder, shorter than a span: a few small ops
+    if spans < flat.numel():  # the remainder, shorter than a span: a few small ops
         out[spans:] = hadamard_torch(flat[spans:], block, seed, inverse, signs[spans:])
     return out
 
@@ -185,12 +205,22 @@ def quantize(flat, format, block_size=None, stochastic=False, seed=0, residual=N
         span = LANES * rotation[0] if rotation is not None else 1
         if flat.numel() % span or span > FUSED_SPAN_MAX:
             flat, rotation = rotate(flat, rotation), None
-        return fused.rotate_feedback_quantize_triton(flat, residual, format, block_size, rotation, seed, stochastic)
+        return fused.rotate_feedback_quantize_triton(
+            flat, residual, format, block_size, rotation, seed, stochastic
+        )
     if rotation is not None:
         flat = rotate(flat, rotation, out=workspace(flat.numel(), flat.device, "rotation"))
-    seed = seed if stochastic else 0            # unused by nearest rounding: one compiled graph for all seeds
-    return fused.rotate_feedback_quantize_torch(flat, residual, format, block_size, None, seed, stochastic,
-                                                run=_runner(flat.numel(), stochastic))
+    seed = seed if stochastic else 0  # unused by nearest rounding: one compiled graph for all seeds
+    return fused.rotate_feedback_quantize_torch(
+        flat,
+        residual,
+        format,
+        block_size,
+        None,
+        seed,
+        stochastic,
+        run=_runner(flat.numel(), stochastic),
+    )
 
 
 def dequantize(codes, scales, tensor_scale, n, format, block_size=None, out=None):
@@ -199,20 +229,30 @@ def dequantize(codes, scales, tensor_scale, n, format, block_size=None, out=None
     per 4 KB on CPU, and a copy out of it another pass over memory."""
     _check_out(out, n, codes.device, "dequantize")
     if not runs_triton(codes):
-        return fused.decode_torch(codes, scales, tensor_scale, n, format, block_size, run=_runner(n, False), out=out)
+        return fused.decode_torch(
+            codes, scales, tensor_scale, n, format, block_size, run=_runner(n, False), out=out
+        )
     if format == "nvfp4":
         return nvfp4.nvfp4_decode_triton(codes, scales, tensor_scale, n, out)
     return fp8.fp8_decode_triton(codes, scales, fp8.FORMATS[format], block_size, out)
 
 
 def _check_out(out, n, device, what):
-    if out is not None and (out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous()
-                            or out.device != device):
-        raise ValueError(f"{what}: out must be a contiguous float32 tensor of {n} elements on {device}, "
-                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    if out is not None and (
+        out.dtype != torch.float32
+        or out.numel() != n
+        or not out.is_contiguous()
+        or out.device != device
+    ):
+        raise ValueError(
+            f"{what}: out must be a contiguous float32 tensor of {n} elements on {device}, "
+            f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+        )
 
 
-def encode(x, format="nvfp4", block_size=None, rounding="nearest", seed=0, nonfinite="nan", name="tensor"):
+def encode(
+    x, format="nvfp4", block_size=None, rounding="nearest", seed=0, nonfinite="nan", name="tensor"
+):
     """Quantize x. rounding: "nearest" (to even) or "stochastic" (seeded, unbiased).
     nonfinite: "nan" (the tensor decodes to NaN) or "raise"."""
     check_codec(format, block_size, rounding)
@@ -223,14 +263,23 @@ def encode(x, format="nvfp4", block_size=None, rounding="nearest", seed=0, nonfi
         bad = int((~torch.isfinite(flat)).sum())
         raise ValueError(f"{name}: {bad} of {flat.numel()} elements are NaN or infinite")
     codes, scales, tensor_scale = quantize(flat, format, block_size, rounding == "stochastic", seed)
-    if format != "nvfp4" and block_size is not None and scales.numel() and not torch.isfinite(scales).all():
-        scales = torch.full_like(scales, float("nan"))   # one non-finite block poisons the whole tensor
+    if (
+        format != "nvfp4"
+        and block_size is not None
+        and scales.numel()
+        and not torch.isfinite(scales).all()
+    ):
+        scales = torch.full_like(
+            scales, float("nan")
+        )  # one non-finite block poisons the whole tensor
     return Encoded(format, x.shape, x.dtype, codes, scales, tensor_scale, block_size)
 
 
 def decode(enc: Encoded):
     """The tensor enc stands for, in its original shape and dtype."""
-    values = dequantize(enc.codes, enc.scales, enc.tensor_scale, enc.numel, enc.format, enc.block_size)
+    values = dequantize(
+        enc.codes, enc.scales, enc.tensor_scale, enc.numel, enc.format, enc.block_size
+    )
     return values.view(enc.shape).to(enc.dtype)
 
 
@@ -240,4 +289,6 @@ def accumulate(codes, scales, tensor_scales, n, format, block_size=None, out=Non
     _check_out(out, n, codes.device, "accumulate")
     if runs_triton(codes):
         return fused.accumulate_triton(codes, scales, tensor_scales, n, format, block_size, out)
-    return fused.accumulate_torch(codes, scales, tensor_scales, n, format, block_size, run=_runner(n, False), out=out)
+    return fused.accumulate_torch(
+        codes, scales, tensor_scales, n, format, block_size, run=_runner(n, False), out=out
+    )

@@ -17,6 +17,7 @@ each two products of cost O(out * in * r). Whitened activations S^{-1} x have co
 sqrt="cholesky" (the paper's L = chol(A_hat)) and sqrt="symmetric" (A_hat^{1/2}) are dense,
 O(out * in^2), for comparison in the fidelity benchmark.
 """
+
 import torch
 
 from .formats import rotate
@@ -31,12 +32,14 @@ STATISTICS = ("sketch", "dense")
 class HadamardRotation:
     """Orthonormal randomized Hadamard rotation on blocks of `block_size` (a power of two) of the
     flattened tensor. Each span of 16 * block_size elements holds 16 interleaved blocks (block j:
-    elements j, j + 16, ...); what is left after the last span is rotated in contiguous blocks, and a
-    tail shorter than a block in smaller power-of-two blocks (kernels/hadamard.py says why)."""
+    elements j, j + 16, ...); what is left after the last span is rotated in contiguous blocks, and
+    a tail shorter than a block in smaller power-of-two blocks (kernels/hadamard.py says why)."""
 
     def __init__(self, block_size=128, seed=0):
         if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
-            raise ValueError(f"HadamardRotation: block_size must be a power of two, got {block_size!r}")
+            raise ValueError(
+                f"HadamardRotation: block_size must be a power of two, got {block_size!r}"
+            )
         self.block_size, self.seed = block_size, int(seed)
 
     def _apply(self, x, inverse):
@@ -57,13 +60,25 @@ class InputWhitening:
     """K-FAC input-side whitening of an nn.Linear weight gradient (out_features x in_features).
     The statistic is created on the device of the first activations (or mean) it is given."""
 
-    def __init__(self, in_features, rank=32, damping=1e-3, ema=0.95, sqrt="lowrank",
-                 statistic="sketch", oversampling=OVERSAMPLING, seed=0):
+    def __init__(
+        self,
+        in_features,
+        rank=32,
+        damping=1e-3,
+        ema=0.95,
+        sqrt="lowrank",
+        statistic="sketch",
+        oversampling=OVERSAMPLING,
+        seed=0,
+    ):
         if sqrt not in SQUARE_ROOTS:
-            raise ValueError(f"InputWhitening: unknown sqrt {sqrt!r}; expected one of {SQUARE_ROOTS}")
+            raise ValueError(
+                f"InputWhitening: unknown sqrt {sqrt!r}; expected one of {SQUARE_ROOTS}"
+            )
         if statistic not in STATISTICS:
-            raise ValueError(f"InputWhitening: unknown statistic {statistic!r}; "
-                             f"expected one of {STATISTICS}")
+            raise ValueError(
+                f"InputWhitening: unknown statistic {statistic!r}; expected one of {STATISTICS}"
+            )
         if not 0 <= ema < 1:
             raise ValueError(f"InputWhitening: ema must be in [0, 1), got {ema!r}")
         if damping <= 0:
@@ -77,7 +92,7 @@ class InputWhitening:
             self.statistic = NystromSketch(self.in_features, columns, seed)
         else:
             self.statistic = DenseCovariance(self.in_features)
-        self.factors = None        # identity until the first fold with refresh
+        self.factors = None  # identity until the first fold with refresh
 
     # ---------------------------------------------------------------- statistics
     def update(self, activations):
@@ -85,8 +100,10 @@ class InputWhitening:
         recompute the factors."""
         x = activations.detach().reshape(-1, activations.shape[-1])
         if x.shape[1] != self.in_features:
-            raise ValueError(f"InputWhitening.update: activations have {x.shape[1]} features, "
-                             f"expected {self.in_features}")
+            raise ValueError(
+                f"InputWhitening.update: activations have {x.shape[1]} features, "
+                f"expected {self.in_features}"
+            )
         sums = torch.zeros(self.statistic.numel, dtype=self.statistic.dtype, device=x.device)
         self.statistic.accumulate(x.to(self.statistic.dtype), sums)
         self.fold(sums.div_(max(1, x.shape[0])))
@@ -115,8 +132,12 @@ class InputWhitening:
     def factors_from_tensor(self, flat):
         n, r = self.in_features, self.rank
         d_sqrt, p, c_minus, c_plus = torch.split(flat.to(torch.float32), [n, n * r, r, r])
-        return {"d_sqrt": d_sqrt.clone(), "p": p.reshape(n, r).clone(), "c_minus": c_minus.clone(),
-                "c_plus": c_plus.clone()}
+        return {
+            "d_sqrt": d_sqrt.clone(),
+            "p": p.reshape(n, r).clone(),
+            "c_minus": c_minus.clone(),
+            "c_plus": c_plus.clone(),
+        }
 
     def compute_factors(self):
         """The factors of the current statistic (module docstring): fp64 math, fp32 result."""
@@ -127,9 +148,12 @@ class InputWhitening:
             q, r = torch.linalg.qr(v)
             sig, w = torch.linalg.eigh((r * lam) @ r.t())
             sig = sig.clamp_min(0)
-            return {"d_sqrt": d.sqrt().float(), "p": (q @ w).float(),
-                    "c_minus": ((1 + sig).rsqrt() - 1).float(),
-                    "c_plus": ((1 + sig).sqrt() - 1).float()}
+            return {
+                "d_sqrt": d.sqrt().float(),
+                "p": (q @ w).float(),
+                "c_minus": ((1 + sig).rsqrt() - 1).float(),
+                "c_plus": ((1 + sig).sqrt() - 1).float(),
+            }
         a_hat = (vec * lam) @ vec.t() + torch.diag(d)
         if self.sqrt == "cholesky":
             s = torch.linalg.cholesky(a_hat)
@@ -141,11 +165,14 @@ class InputWhitening:
     # ---------------------------------------------------------------- the map
     def _check(self, g, what):
         if g.dim() != 2 or g.shape[1] != self.in_features:
-            raise ValueError(f"InputWhitening.{what}: expected a (out, {self.in_features}) tensor, got {tuple(g.shape)}")
+            raise ValueError(
+                f"InputWhitening.{what}: expected a (out, {self.in_features}) tensor, "
+                f"got {tuple(g.shape)}"
+            )
 
     def forward(self, g, factors=None, out=None):
-        """u = G S^{-T} (with the given factors, or the current ones); into out (fp32, g's shape, g itself
-        allowed) if given."""
+        """u = G S^{-T} (with the given factors, or the current ones); into out (fp32, g's shape,
+        g itself allowed) if given."""
         return self._map(g, factors, out, "forward")
 
     def inverse(self, u, factors=None, out=None):
@@ -156,9 +183,11 @@ class InputWhitening:
         self._check(g, what)
         f = self.factors if factors is None else factors
         if out is not None and (out.shape != g.shape or out.dtype != torch.float32):
-            raise ValueError(f"InputWhitening.{what}: out must be float32 of shape {tuple(g.shape)}, "
-                             f"got {out.dtype} {tuple(out.shape)}")
-        if not f:       # None or IDENTITY_FACTORS: no statistic yet
+            raise ValueError(
+                f"InputWhitening.{what}: out must be float32 of shape {tuple(g.shape)}, "
+                f"got {out.dtype} {tuple(out.shape)}"
+            )
+        if not f:  # None or IDENTITY_FACTORS: no statistic yet
             return g.clone() if out is None else out.copy_(g)
         if self.sqrt == "lowrank":
             result = _lowrank_map(g, f, inverse=what == "inverse", out=out)
@@ -169,15 +198,32 @@ class InputWhitening:
         return result if out is not None else result.to(g.dtype)
 
     def whiten_activations(self, x):
-        """S^{-1} x for each row x of a (tokens, in_features) batch: covariance ~ I after whitening."""
+        """S^{-1} x for each row x of a (tokens, in_features) batch: covariance ~ I after
+        whitening."""
         return self.forward(x)
 
     def state_dict(self):
-        return {"statistic": self.statistic.state, "factors": self.factors}
+        """Copies on the host: the EMA updates the live tensors in place, and a checkpoint of a
+        model on the GPU must not pin GPU memory (or, gathered, land on other ranks' GPUs)."""
+        factors = (
+            None
+            if self.factors is None
+            else {k: v.to("cpu", copy=True) for k, v in self.factors.items()}
+        )
+        statistic = self.statistic.state
+        return {
+            "statistic": None if statistic is None else statistic.to("cpu", copy=True),
+            "factors": factors,
+        }
 
-    def load_state_dict(self, state):
-        """Restores the factors as saved (not recomputed), so a resumed run continues bit for bit."""
-        self.statistic.state, self.factors = state["statistic"], state["factors"]
+    def load_state_dict(self, state, device="cpu"):
+        """Restores the factors as saved (not recomputed), so a resumed run continues bit for
+        bit; copies on `device` (the layer's)."""
+        statistic, factors = state["statistic"], state["factors"]
+        self.statistic.state = None if statistic is None else statistic.to(device, copy=True)
+        self.factors = (
+            None if factors is None else {k: v.to(device, copy=True) for k, v in factors.items()}
+        )
 
 
 # On CPU the low-rank map runs on blocks of whole rows of about this many elements: each block's
@@ -186,12 +232,13 @@ ROW_BLOCK_ELEMENTS = 1 << 18
 
 
 def _lowrank_map(g, f, inverse, out=None):
-    """forward: G D^{-1/2} (I + P diag(c-) P^T);  inverse: G (I + P diag(c+) P^T) D^{1/2}. Into out (fp32;
-    g itself is fine: each block of rows is read whole, by its first op, before it is written)."""
+    """forward: G D^{-1/2} (I + P diag(c-) P^T);  inverse: G (I + P diag(c+) P^T) D^{1/2}. Into
+    out (fp32; g itself is fine: each block of rows is read whole, by its first op, before it is
+    written)."""
     out = torch.empty(g.shape, dtype=torch.float32, device=g.device) if out is None else out
     rows = max(1, g.shape[0] if g.is_cuda else ROW_BLOCK_ELEMENTS // max(1, g.shape[1]))
     for start in range(0, g.shape[0], rows):
-        x, y = g[start:start + rows].to(torch.float32), out[start:start + rows]
+        x, y = g[start : start + rows].to(torch.float32), out[start : start + rows]
         if inverse:
             torch.addmm(x, (x @ f["p"]) * f["c_plus"], f["p"].t(), out=y).mul_(f["d_sqrt"])
         else:

@@ -12,6 +12,7 @@ layer takes the owner any rank saw it share (one no rank saw running owns its ow
 that saw the same layer share with different owners raise. Collective names derive from the
 owners, so they are identical on every rank.
 """
+import logging
 import weakref
 
 import horovod.torch as hvd
@@ -62,7 +63,9 @@ class WhiteningStatistics:
             if sums is None:
                 sums = self._sums[name] = torch.zeros(statistic.numel + 1, dtype=statistic.dtype,
                                                       device=x.device)
-            statistic.accumulate(x, sums[:-1])
+            # under autocast x @ Omega would come out bf16 and miss the fp32 sums' dtype
+            with torch.autocast(x.device.type, enabled=False):
+                statistic.accumulate(x, sums[:-1])
             sums[-1] += x.shape[0]
         return collect
 
@@ -144,19 +147,26 @@ class WhiteningStatistics:
                 continue
             root = i % n
             w.fold(sums[:-1].div_(tokens), refresh=False)
-            flat = (w.factors_to_tensor(w.compute_factors()) if root == me
+            flat = (_factors_or_nan(w, sums.device) if root == me
                     else torch.empty(w.factor_numel(), dtype=torch.float32, device=sums.device))
             global_root = self.process_set.ranks[root] if self.process_set.ranks else root
             broadcasts.append((owner, hvd.broadcast_async_(flat, root_rank=global_root,
                                                            name=f"gift.factors.{owner}",
                                                            process_set=self.process_set)))
-        changed = {}
+        changed, failed = {}, []
         for owner, handle in broadcasts:
-            w = self.whitening[owner]
-            previous, w.factors = w.factors, w.factors_from_tensor(hvd.synchronize(handle))
+            w, flat = self.whitening[owner], hvd.synchronize(handle)
+            if not torch.isfinite(flat).all():        # the same verdict on every rank
+                failed.append(owner)
+                continue
+            previous, w.factors = w.factors, w.factors_from_tensor(flat)
             # residuals made before the first refresh are in unwhitened coordinates
             previous = IDENTITY_FACTORS if previous is None else previous
             changed.update({name: previous for name, o in self._owner.items() if o == owner})
+        if failed:
+            raise FloatingPointError(f"WhiteningStatistics: the whitening factors of "
+                                     f"{', '.join(failed)} could not be computed from a finite "
+                                     "statistic (see the computing rank's log)")
         return changed
 
     def state_dict(self):
@@ -169,4 +179,15 @@ class WhiteningStatistics:
     def load_state_dict(self, state):
         self._share(state["owner"])
         for name, w_state in state["whitening"].items():
-            self.whitening[name].load_state_dict(w_state)
+            device = self._modules[name].weight.device
+            self.whitening[name].load_state_dict(w_state, device)
+
+
+def _factors_or_nan(whitening, device):
+    """The factors as one flat tensor, or NaNs if they cannot be computed: the other ranks wait in
+    the broadcast, so the error must travel with it and be raised on every rank."""
+    try:
+        return whitening.factors_to_tensor(whitening.compute_factors())
+    except (ValueError, RuntimeError) as error:     # torch.linalg's errors are RuntimeErrors
+        logging.getLogger("horovod_gift").error("whitening factors failed: %s", error)
+        return torch.full((whitening.factor_numel(),), float("nan"), device=device)

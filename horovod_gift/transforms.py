@@ -10,6 +10,7 @@ beats "none", two steps later its error in the gradient space is several times l
 (benchmarks/results/robustness.md, clean steps on 2 ranks, worst per-step relative error with
 NVFP4: forced whitening 1.13, none 0.24, auto 0.24).
 """
+
 import torch
 import horovod.torch as hvd
 
@@ -43,8 +44,9 @@ class TransformPlan:
         (a gradient of over 32 MB rotated into a new tensor costs a page fault per 4 KB on CPU)."""
         plan = plan or self.choice[name]
 
-        def writable(t):       # g given up, or a copy of it (a dtype change, a non-contiguous gradient)
+        def writable(t):  # g given up, or a copy of it (a dtype change, a non-contiguous gradient)
             return in_place or t.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()
+
         x = g.detach().to(torch.float32)
         if plan.startswith("whiten"):
             w = self.statistics.whitening[name]
@@ -52,7 +54,9 @@ class TransformPlan:
             x = w.forward(rows, out=rows if writable(rows) and rows.is_contiguous() else None)
         flat = x.reshape(-1).contiguous()
         if plan.endswith("hadamard"):
-            return rotate(flat, (self.hadamard_block, self.seed), out=flat if writable(flat) else None)
+            return rotate(
+                flat, (self.hadamard_block, self.seed), out=flat if writable(flat) else None
+            )
         return flat
 
     def inverse(self, name, u, plan=None, factors=None, in_place=False):
@@ -60,7 +64,9 @@ class TransformPlan:
         plan = plan or self.choice[name]
         x = u
         if plan.endswith("hadamard"):
-            x = rotate(u, (self.hadamard_block, self.seed), inverse=True, out=u if in_place else None)
+            x = rotate(
+                u, (self.hadamard_block, self.seed), inverse=True, out=u if in_place else None
+            )
         if plan.startswith("whiten"):
             w = self.statistics.whitening[name]
             rows = x.view(-1, w.in_features)
@@ -78,16 +84,24 @@ class TransformPlan:
             back = self.inverse(name, codec.decode(codec.encode(u), u.numel()), plan, in_place=True)
             errors.append(float((back - flat).double().pow(2).sum()))
         # host metadata for one allreduce of every tensor's errors
-        self._errors[name] = torch.tensor(errors + [0.0] * (4 - len(errors)), dtype=torch.float64,
-                                          device="cpu")
+        self._errors[name] = torch.tensor(
+            errors + [0.0] * (4 - len(errors)), dtype=torch.float64, device="cpu"
+        )
 
     def start_vote(self):
         """Sum every recorded error over ranks: one collective, started once every rank has sent
         every gradient (a collective inside compress could deadlock: ranks call it in different orders)."""
         if self._errors:
             names = sorted(self._errors)
-            self._vote = (names, hvd.allreduce_async(torch.stack([self._errors[n] for n in names]), op=hvd.Sum,
-                                                     name="gift.auto", process_set=self.statistics.process_set))
+            self._vote = (
+                names,
+                hvd.allreduce_async(
+                    torch.stack([self._errors[n] for n in names]),
+                    op=hvd.Sum,
+                    name="gift.auto",
+                    process_set=self.statistics.process_set,
+                ),
+            )
 
     def finish_vote(self, convert_residual):
         """Apply the vote after the step's results were mapped back with the old transforms."""
@@ -97,7 +111,7 @@ class TransformPlan:
         totals = hvd.synchronize(handle).nan_to_num(nan=float("inf"))
         for name, total in zip(names, totals):
             candidates = self.candidates(name)
-            best = candidates[int(torch.argmin(total[:len(candidates)]))]
+            best = candidates[int(torch.argmin(total[: len(candidates)]))]
             if best != self.choice[name]:
                 old = self.choice[name]
                 self.choice[name] = best

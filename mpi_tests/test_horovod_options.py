@@ -62,6 +62,17 @@ def test_gift_takes_the_optimizers_process_set():
             losses = [step(model, opt, k) for k in range(6)]
             assert losses[-1] < losses[0]
             assert compression.process_set.process_set_id == process_set.process_set_id
+            # resume: the compressor's state loads before it knows the optimizer's process set
+            saved = {"model": model.state_dict(), "compressor": compression.state_dict()}
+            model = TinyLM()
+            model.load_state_dict(saved["model"])
+            compression = gift.GIFT(model, format="nvfp4", verbose=False)
+            compression.load_state_dict(saved["compressor"])
+            opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
+                                           named_parameters=model.named_parameters(),
+                                           compression=compression, process_set=process_set)
+            step(model, opt, 6)
+            assert compression.stats()["steps"] == 7
             from helpers import digest as parameters_digest
             digest = parameters_digest(list(model.parameters()))
         digests = {d for d in COMM.allgather(digest) if d is not None}

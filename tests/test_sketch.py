@@ -212,7 +212,7 @@ def test_layers_reading_one_input_share_one_statistic(horovod, monkeypatch):
     w = stats.whitening
     assert w["q.weight"] is w["k.weight"] and w["o.weight"] is not w["q.weight"]
     assert set(changed) == {"q.weight", "k.weight", "o.weight"}
-    assert changed["k.weight"] == gift.geometry.IDENTITY_FACTORS     # no factors before
+    assert changed["k.weight"] is gift.geometry.IDENTITY_FACTORS     # no factors before
     assert names == ["gift.stats.o.weight", "gift.stats.q.weight",
                      "gift.factors.o.weight", "gift.factors.q.weight"]
     # The shared statistic counts q's input once, not once per reader.
@@ -285,3 +285,44 @@ def test_every_factory_call_names_its_device(horovod):
         assert w.statistic.state.device == CPU and torch.isfinite(w.statistic.state).all()
         assert all(f.device == CPU and torch.isfinite(f).all() for f in w.factors.values())
     stats.remove_hooks()
+
+
+def test_statistics_are_taken_in_fp32_under_autocast(horovod):
+    """Mixed-precision training runs the forward pass under autocast: the hooks' sketch products
+    must not come out bf16 (an fp32 sum cannot take them)."""
+    model = SharedInputs()
+    stats = statistics_of(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(torch.randn(4, 6, 32))
+    loss.float().backward()
+    changed = stats.refresh()
+    assert set(changed) == {"q.weight", "k.weight", "o.weight"}
+    assert stats.whitening["q.weight"].statistic.state.dtype == torch.float32
+
+
+def test_state_is_copied_out_and_loaded_onto_the_layers_device(horovod):
+    model = SharedInputs()
+    stats = statistics_of(model)
+    statistics_step(model, stats, torch.randn(4, 6, 32))
+    saved = stats.state_dict()
+    before = {k: v.clone() for k, v in saved["whitening"]["q.weight"]["factors"].items()}
+    statistics_step(model, stats, torch.randn(4, 6, 32) * 3)      # the EMA moves on in place
+    after = saved["whitening"]["q.weight"]["factors"]
+    assert all(torch.equal(before[k], after[k]) for k in before), "state_dict aliases live state"
+    w = gift.InputWhitening(32, rank=4)
+    w.load_state_dict(saved["whitening"]["q.weight"], device="meta")
+    assert w.statistic.state.device.type == "meta"
+    assert {t.device.type for t in w.factors.values()} == {"meta"}
+
+
+def test_factors_that_cannot_be_computed_raise_on_every_rank(horovod, monkeypatch):
+    """Only one rank computes a statistic's factors while the others wait in its broadcast: a
+    failure there travels as NaN and every rank raises the same error (here, one rank)."""
+    model = SharedInputs()
+    stats = statistics_of(model)
+
+    def fail(self):
+        raise RuntimeError("linalg failed")
+    monkeypatch.setattr(gift.InputWhitening, "compute_factors", fail)
+    with pytest.raises(FloatingPointError, match="could not be computed"):
+        statistics_step(model, stats, torch.randn(4, 6, 32))
