@@ -48,14 +48,17 @@ def test_sparse_gradients_bypass_compression():
     assert compression.stats()["steps"] == 4
 
 
-def test_gift_takes_the_optimizers_process_set():
+@pytest.mark.parametrize("given", [False, True])
+def test_gift_reduces_over_the_optimizers_process_set(given):
+    """GIFT made with the optimizer's process set, or without one (it takes the optimizer's)."""
     even = [r for r in range(hvd.size()) if r % 2 == 0]
     process_set = hvd.add_process_set(even)
     try:
         digest = None
         if hvd.rank() in even:
             model = TinyLM()
-            compression = gift.GIFT(model, format="nvfp4", verbose=False)     # no process_set
+            compression = gift.GIFT(model, format="nvfp4", verbose=False,
+                                    process_set=process_set if given else None)
             opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
                                            named_parameters=model.named_parameters(),
                                            compression=compression, process_set=process_set)
