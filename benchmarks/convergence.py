@@ -1,12 +1,18 @@
-"""Convergence of the six compression arms: same seed, same data, 2 ranks, examples/train_llama.py.
+"""Convergence of the compression arms, paired over seeds: examples/train_llama.py on 2 ranks.
 
-    .venv/bin/python benchmarks/convergence.py [--steps 400]
+Each seed fixes the initialization and the data order, the same in every arm (paired). Endpoint:
+the held-out loss at the last step (fixed held-out batches), as a mean paired difference to fp32
+with a 95 % confidence interval (Student's t over seeds); beside it, the RelL2 of each step's
+averaged gradient against an exact fp32 average of the same local gradients.
 
-Writes benchmarks/results/convergence.md (final loss = mean of the last 10 % of steps, its
-difference to `none`, bits per gradient element, wall time) and convergence.png (loss curves).
+    .venv/bin/python benchmarks/convergence.py --seeds 0 1 2 3 4     # about an hour on 2 cores
+
+Runs whose CSV is already in runs/convergence/ are reused (delete them to rerun). Writes
+benchmarks/results/convergence.md and convergence.png (held-out loss and gradient error).
 """
 import argparse
 import csv
+import math
 import os
 import pathlib
 import subprocess
@@ -14,78 +20,147 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ARMS = ["none", "fp16", "fp8", "nvfp4", "gift-fp8", "gift-nvfp4"]
+# arm -> (train_llama --compression, error feedback)
+ARMS = {"fp32": ("none", True), "fp16": ("fp16", True),
+        "nvfp4 no-EF": ("nvfp4", False), "gift-nvfp4 no-EF": ("gift-nvfp4", False),
+        "nvfp4 EF": ("nvfp4", True), "gift-nvfp4 EF": ("gift-nvfp4", True)}
+# two-sided 95 % quantiles of Student's t by degrees of freedom
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+        9: 2.262, 10: 2.228, 15: 2.131, 20: 2.086}
 
 
-def run_arm(arm, args, out_dir):
-    csv_path = out_dir / f"{arm}.csv"
-    command = ["bash", str(ROOT / "scripts" / "mpirun.sh"), str(args.ranks), str(ROOT / ".venv" / "bin" / "python"),
-               str(ROOT / "examples" / "train_llama.py"), "--compression", arm, "--steps", str(args.steps),
-               "--seed", str(args.seed), "--dim", str(args.dim), "--layers", str(args.layers), "--quiet",
-               "--csv", str(csv_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    t0 = time.perf_counter()
-    with open(out_dir / f"{arm}.log", "w") as log:
-        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    seconds = time.perf_counter() - t0
+def run(arm, seed, args, out_dir):
+    compression, error_feedback = ARMS[arm]
+    tag = f"{arm.replace(' ', '_')}-s{seed}"
+    csv_path = out_dir / f"{tag}.csv"
+    if not csv_path.exists():
+        command = ["bash", str(ROOT / "scripts" / "mpirun.sh"), str(args.ranks),
+                   str(ROOT / ".venv" / "bin" / "python"),
+                   str(ROOT / "examples" / "train_llama.py"),
+                   "--compression", compression, "--steps", str(args.steps), "--seed", str(seed),
+                   "--dim", str(args.dim), "--layers", str(args.layers), "--lr", str(args.lr),
+                   "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches),
+                   "--gradient-error", "--quiet", "--csv", str(csv_path)]
+        if not error_feedback:
+            command.append("--no-error-feedback")
+        t0 = time.perf_counter()
+        with open(out_dir / f"{tag}.log", "w") as log:
+            subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+        print(f"{tag}: {time.perf_counter() - t0:.0f} s", flush=True)
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
-    return {"loss": [float(r["loss"]) for r in rows], "bits": float(rows[-1]["bits_per_element"]), "seconds": seconds}
+    heldout = [(int(r["step"]), float(r["heldout_loss"])) for r in rows if r["heldout_loss"]]
+    return {"heldout": heldout, "final": heldout[-1][1],
+            "gradient": [float(r["gradient_rel_l2"]) for r in rows],
+            "bits": float(rows[-1]["bits_per_element"]),
+            "seconds": sum(float(r["seconds"]) for r in rows)}
 
 
-def plot(results, path):
+def interval(values):
+    """Mean and half-width of the 95 % confidence interval."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, float("nan")
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    df = n - 1
+    t = T975.get(df) or T975[max(k for k in T975 if k <= df)]
+    return mean, t * sd / math.sqrt(n)
+
+
+def plot(results, arms, seeds, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for arm, r in results.items():
-        window = max(1, len(r["loss"]) // 50)
-        smooth = [sum(r["loss"][max(0, i - window + 1):i + 1]) / len(r["loss"][max(0, i - window + 1):i + 1])
-                  for i in range(len(r["loss"]))]
-        ax.plot(range(1, len(smooth) + 1), smooth, label=f"{arm} ({r['bits']:.1f} bits)")
-    ax.set_xscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"training loss (moving average of {window} steps)")
-    ax.set_title("Llama on the Python standard library, 2 ranks")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for arm in arms:
+        runs = [results[(arm, s)] for s in seeds]
+        steps = [step for step, _ in runs[0]["heldout"]]
+        values = [[loss for _, loss in r["heldout"]] for r in runs]
+        mean = [sum(v) / len(v) for v in zip(*values)]
+        line, = left.plot(steps, mean, label=arm)
+        left.fill_between(steps, [min(v) for v in zip(*values)], [max(v) for v in zip(*values)],
+                          color=line.get_color(), alpha=0.15)
+        if arm != "fp32":
+            per_step = [sum(v) / len(v) for v in zip(*[r["gradient"] for r in runs])]
+            window = 10
+            smooth = []
+            for i in range(len(per_step)):
+                recent = per_step[max(0, i - window + 1):i + 1]
+                smooth.append(sum(recent) / len(recent))
+            right.plot(range(1, len(smooth) + 1), smooth, label=arm, color=line.get_color())
+    left.set(xlabel="step", ylabel="held-out loss (mean; band: min-max over seeds)")
+    right.set(xlabel="step", ylabel="RelL2 of the averaged gradient vs exact fp32", yscale="log")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--seed", type=int, default=0)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--arms", nargs="+", default=ARMS)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--eval-batches", type=int, default=16)
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "convergence.md"))
     args = p.parse_args()
-    out_dir = ROOT / "runs" / "convergence"
+    regime = f"d{args.dim}-l{args.layers}-lr{args.lr}-n{args.steps}"
+    out_dir = ROOT / "runs" / "convergence" / regime
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
+    for seed in args.seeds:                 # seed-major: an interrupted study has whole pairs
+        for arm in args.arms:
+            results[(arm, seed)] = run(arm, seed, args, out_dir)
+    base = "fp32"
+    lines = [f"# Convergence, paired over seeds ({time.strftime('%Y-%m-%d')})", "",
+             "Command: `.venv/bin/python benchmarks/convergence.py " + " ".join(sys.argv[1:]) + "`",
+             "", f"examples/train_llama.py, dim {args.dim}, {args.layers} layers, {args.steps} "
+             f"steps, AdamW lr {args.lr} (20 warm-up steps), {args.ranks} ranks on one 2-core "
+             f"machine, batch 16 x 128 bytes per rank; seeds {args.seeds} (each: initialization "
+             "and data order, shared by all arms). Held-out loss: mean over "
+             f"{args.eval_batches} fixed held-out batches at the last step. Difference: mean "
+             "over seeds of (arm - fp32) with a 95 % confidence interval (t over seeds); "
+             "negative is better. Gradient RelL2: ||averaged gradient - exact fp32 average|| / "
+             "||exact||, mean over all steps and seeds. gift-* = GIFT's defaults (transform "
+             "auto); nvfp4 = the same codec and collective with transform none.", "",
+             "| arm | held-out loss | vs fp32 (95 % CI) | gradient RelL2 | bits/element | "
+             "step time (s) |", "|---|---|---|---|---|---|"]
     for arm in args.arms:
-        results[arm] = run_arm(arm, args, out_dir)
-        print(f"{arm}: final loss {results[arm]['loss'][-1]:.4f} in {results[arm]['seconds']:.0f}s", flush=True)
-    tail = max(1, args.steps // 10)
-    final = {arm: sum(r["loss"][-tail:]) / tail for arm, r in results.items()}
-    base = final.get("none")
-    lines = [f"# Convergence of the compression arms ({time.strftime('%Y-%m-%d')})", "",
-             f"examples/train_llama.py, dim {args.dim}, {args.layers} layers, {args.steps} steps, seed {args.seed}, "
-             f"{args.ranks} ranks on one 2-core machine (shared memory), batch 16 x 128 bytes per rank, AdamW lr 3e-3. "
-             f"Final loss = mean of the last {tail} steps. fp8 / nvfp4 = the GIFT codec and collective with "
-             f"transform none; gift-* = transform auto, error feedback on. Command: "
-             f"`.venv/bin/python benchmarks/convergence.py --steps {args.steps}`.", "",
-             "| arm | final loss | vs none | bits per gradient element | wall time (s) |", "|---|---|---|---|---|"]
-    for arm in results:
-        diff = f"{100 * (final[arm] / base - 1):+.2f} %" if base else "-"
-        lines.append(f"| {arm} | {final[arm]:.4f} | {diff} | {results[arm]['bits']:.2f} | {results[arm]['seconds']:.0f} |")
-    lines += ["", "![loss curves](convergence.png)"]
+        finals = [results[(arm, s)]["final"] for s in args.seeds]
+        mean_final = sum(finals) / len(finals)
+        if arm == base or base not in args.arms:
+            diff = "-"
+        else:
+            d, h = interval([results[(arm, s)]["final"] - results[(base, s)]["final"]
+                             for s in args.seeds])
+            diff = f"{d:+.4f} ({d - h:+.4f} .. {d + h:+.4f})"
+        grad = [g for s in args.seeds for g in results[(arm, s)]["gradient"]]
+        seconds = sum(results[(arm, s)]["seconds"] for s in args.seeds)
+        step_time = seconds / (len(args.seeds) * args.steps)
+        lines.append(f"| {arm} | {mean_final:.4f} | {diff} | {sum(grad) / len(grad):.2e} | "
+                     f"{results[(arm, args.seeds[0])]['bits']:.2f} | {step_time:.3f} |")
+    pairs = [("gift-nvfp4 no-EF", "nvfp4 no-EF"), ("gift-nvfp4 EF", "nvfp4 EF"),
+             ("nvfp4 EF", "nvfp4 no-EF")]
+    lines += ["", "Paired differences between compressed arms (held-out loss, 95 % CI):", ""]
+    for a, b in pairs:
+        if a in args.arms and b in args.arms:
+            d, h = interval([results[(a, s)]["final"] - results[(b, s)]["final"]
+                             for s in args.seeds])
+            lines.append(f"- {a} - {b}: {d:+.4f} ({d - h:+.4f} .. {d + h:+.4f})")
+    png = pathlib.Path(args.out).with_suffix(".png")
+    lines += ["", f"![held-out loss and gradient error]({png.name})"]
     text = "\n".join(lines) + "\n"
-    results_dir = ROOT / "benchmarks" / "results"
-    (results_dir / "convergence.md").write_text(text)
-    plot(results, results_dir / "convergence.png")
+    pathlib.Path(args.out).write_text(text)
+    plot(results, args.arms, args.seeds, png)
     print(text)
 
 

@@ -33,7 +33,7 @@ ARMS = {"horovod fp32": None,
         "gift nvfp4, auto, fp32 residuals": dict(transform="auto", residual_dtype="float32"),
         "gift nvfp4, auto, bf16 residuals": dict(transform="auto", residual_dtype="bfloat16"),
         "gift nvfp4, none, fp32 residuals": dict(transform="none", residual_dtype="float32")}
-STAT_EVERY = 3          # steps 0, 3, 6 refresh; 1, 4 vote ("auto"); 2, 5 are plain steps
+REFRESH_EVERY = 3       # steps 0, 3, 6 refresh (3, 6 also vote under "auto"); the others are plain
 STEPS = 7
 
 # Shapes of the extrapolation: (hidden, MLP width, blocks, q/k/v/o outputs, vocab, tied head)
@@ -85,7 +85,7 @@ def worker(arm, args):
     if options is not None:
         compression = gift.GIFT(model, format="nvfp4", transform=options["transform"],
                                 residual_dtype=getattr(torch, options["residual_dtype"]),
-                                stat_every=STAT_EVERY, verbose=False)
+                                refresh_every=REFRESH_EVERY, verbose=False)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4),
                                    named_parameters=model.named_parameters(),
                                    compression=compression)
@@ -155,7 +155,7 @@ def report(results, args):
     param_bytes = results["horovod fp32"][0]["param_bytes"]
     lines = [f"Model: Llama-shaped, dim {args.dim}, MLP {args.hidden}, {args.layers} blocks, "
              f"{param_bytes / 4e6:.1f}M parameters ({param_bytes / 1e6:.0f} MB fp32); "
-             f"{args.np} ranks; SGD; {STEPS} steps, statistics every {STAT_EVERY}.", "",
+             f"{args.np} ranks; SGD; {STEPS} steps, whitening refreshed every {REFRESH_EVERY}.", "",
              "| arm | residuals | statistics + factors | workspaces | rotation signs (CPU) | "
              "held in all | peak growth over Horovod fp32 | refresh step / plain step |",
              "|---|---|---|---|---|---|---|---|"]

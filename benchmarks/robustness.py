@@ -71,7 +71,7 @@ def all_cases():
                     lambda kw=kw: train(dict(kw, min_elements=1), odd_sizes=True)))
     mismatches = [("format", "nvfp4", "fp8_e4m3"), ("transform", "auto", "none"), ("block_size", None, 32),
                   ("seed", 0, 1), ("rounding", "nearest", "stochastic"), ("error_feedback", True, False),
-                  ("min_elements", 1024, 4096), ("stat_every", 50, 10)]
+                  ("min_elements", 1024, 4096), ("refresh_every", 50, 10)]
     for field, a, b in mismatches:
         out.append(("ranks disagree", f"{field} {a!r} vs {b!r}",
                     lambda f=field, a=a, b=b: expect_error(lambda: train({"format": "fp8_e4m3", f: a if rank() % 2 else b}),
@@ -159,7 +159,7 @@ def train(gift_kwargs, steps=3, poison=None, scale=1.0, skip_mlp_on_rank0=False,
                             local.get(n, torch.zeros_like(p))) for p, n in names.items() if p.requires_grad})
         with opt.skip_synchronize():
             opt.step()
-    whitened = gift_kwargs.get("transform", "auto").startswith("whiten")
+    whitened = gift_kwargs.get("transform", "whiten").startswith("whiten")
     return {"history": history, "bound": (WHITENED_BOUNDS if whitened else BOUNDS)[gift_kwargs["format"]]}
 
 

@@ -23,18 +23,20 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from data import ByteBatches, read_corpus  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
 
-# fp8 / nvfp4: the same codec and collective as gift-*, without a transform
+# fp8 / nvfp4: the same codec and collective as gift-*, without a transform; gift-*: GIFT's defaults
 COMPRESSIONS = {"none": None, "fp16": None, "fp8": ("fp8_e4m3", "none"), "nvfp4": ("nvfp4", "none"),
-                "gift-fp8": ("fp8_e4m3", "auto"), "gift-nvfp4": ("nvfp4", "auto")}
+                "gift-fp8": ("fp8_e4m3", None), "gift-nvfp4": ("nvfp4", None)}
 
 
-def make_compression(name, model, bucket_elements=1 << 22):
+def make_compression(name, model, bucket_elements=1 << 22, error_feedback=True):
     if name == "none":
         return hvd.Compression.none, None
     if name == "fp16":
         return hvd.Compression.fp16, None
     format, transform = COMPRESSIONS[name]
-    compressor = gift.GIFT(model, format=format, transform=transform, bucket_elements=bucket_elements)
+    options = {} if transform is None else {"transform": transform}
+    compressor = gift.GIFT(model, format=format, bucket_elements=bucket_elements,
+                           error_feedback=error_feedback, **options)
     return compressor, compressor
 
 
@@ -56,6 +58,13 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--bucket-elements", type=int, default=1 << 22, help="GIFT bucket size")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--no-error-feedback", action="store_true", help="GIFT without error feedback")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="held-out loss every N steps (and at the end) on --eval-batches fixed batches")
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--gradient-error", action="store_true",
+                   help="log the RelL2 of each step's averaged gradient against an exact fp32 average "
+                        "(one more fp32 allreduce a step: for studies)")
     p.add_argument("--csv", default=None, help="write per-step metrics here (rank 0)")
     p.add_argument("--checkpoint", default=None, help="save here at the end (and every --save-every steps)")
     p.add_argument("--save-every", type=int, default=0)
@@ -74,7 +83,8 @@ def main(argv=None):
     cfg = LlamaConfig(dim=args.dim, n_layers=args.layers, n_heads=max(1, args.dim // 32),
                       hidden_dim=(8 * args.dim // 3 + 7) // 8 * 8, max_seq_len=args.seq_len)
     model = Llama(cfg).to(device)
-    compression, compressor = make_compression(args.compression, model, args.bucket_elements)
+    compression, compressor = make_compression(args.compression, model, args.bucket_elements,
+                                               not args.no_error_feedback)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     # wrap first: DistributedOptimizer builds a new optimizer object, which would drop loaded state
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compression)
@@ -100,6 +110,7 @@ def main(argv=None):
         from tqdm import tqdm
         bar = tqdm(total=args.steps, initial=start_step, unit="step", dynamic_ncols=True)
     rows, losses = [], []
+    exact = ExactAverage(model) if args.gradient_error else None
     tokens_per_step = args.batch_size * args.seq_len * hvd.size()
     t_start = time.perf_counter()
     for step in range(start_step, args.steps):
@@ -111,7 +122,13 @@ def main(argv=None):
             _, loss = model(x, y)
         loss.backward()
         t_step = time.perf_counter()
-        optimizer.step()
+        if exact is not None:
+            optimizer.synchronize()
+            gradient_error = exact.relative_error()
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        else:
+            optimizer.step()
         in_step = time.perf_counter() - t_step
         schedule.step()
         dt = time.perf_counter() - t0
@@ -126,6 +143,12 @@ def main(argv=None):
         row = {"step": step + 1, "loss": mean_loss, "tokens_per_s": tokens_per_step / dt,
                "bits_per_element": bits_per_element(args.compression, compressor), "seconds": dt,
                "codec_seconds": codec, "wait_seconds": wait, "compute_seconds": dt - codec - wait}
+        if exact is not None:
+            row["gradient_rel_l2"] = gradient_error
+        if args.eval_every:
+            last = step + 1 == args.steps
+            row["heldout_loss"] = (heldout_loss(model, batches, args, device, autocast)
+                                   if last or (step + 1) % args.eval_every == 0 else "")
         rows.append(row)
         if rank0:
             if bar is not None:
@@ -148,6 +171,45 @@ def main(argv=None):
     if rank0 and losses:
         print(summary(args, losses, compressor, time.perf_counter() - t_start, len(losses)), flush=True)
     return losses
+
+
+class ExactAverage:
+    """For studies: copies each local gradient as autograd makes it (a tensor hook runs before
+    Horovod's accumulator hook, which may compress .grad in place), and compares the averaged
+    gradients Horovod leaves in .grad with an fp32 average of the copies."""
+
+    def __init__(self, model):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.local = {}
+        for i, p in enumerate(self.params):
+            p.register_hook(lambda g, i=i: self.local.__setitem__(i, g.detach().to(torch.float32, copy=True)))
+
+    def relative_error(self):
+        indices = sorted(self.local)
+        reference = hvd.grouped_allreduce([self.local[i] for i in indices], op=hvd.Average,
+                                          name="train.exact_average")
+        err2 = norm2 = 0.0
+        for i, ref in zip(indices, reference):
+            err2 += float((self.params[i].grad.double() - ref.double()).square().sum())
+            norm2 += float(ref.double().square().sum())
+        self.local = {}
+        return (err2 / norm2) ** 0.5 if norm2 else 0.0
+
+
+def heldout_loss(model, batches, args, device, autocast):
+    """Mean loss over the same --eval-batches held-out batches at every call (split over ranks)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for k in range(hvd.rank(), args.eval_batches, hvd.size()):
+            x, y = (t.to(device) for t in batches.validation(seed=1234 + k))
+            with autocast():
+                _, loss = model(x, y)
+            total += torch.tensor([float(loss), 1.0], dtype=torch.float64)
+    model.train(was_training)
+    total = hvd.allreduce(total, op=hvd.Sum, name="train.heldout")
+    return float(total[0] / total[1])
 
 
 def place(device):

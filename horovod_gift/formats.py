@@ -74,9 +74,10 @@ COMPILE = os.environ.get("HOROVOD_GIFT_COMPILE", "1") != "0"
 
 @functools.cache
 def compiled(fn, *constants):
-    """fn(*tensors, *constants) under torch.compile, one graph per set of constants. The constants are
-    closed over and the tensors' sizes marked dynamic: Inductor then sees block sizes as fixed and
-    vectorizes over them (with dynamic=True they become symbolic and the code runs 7x slower)."""
+    """fn(*tensors, *constants) under torch.compile, one graph per set of constants. The constants
+    are closed over and the tensors' sizes marked dynamic: Inductor then sees block sizes as fixed
+    and vectorizes over them (with dynamic=True they become symbolic and the code runs 7x
+    slower)."""
     import torch._dynamo
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
@@ -123,9 +124,9 @@ def _runner(n, stochastic):
 
 @functools.lru_cache(maxsize=64)
 def random_signs(seed, n, device):
-    """The rotation's signs, kept per size (every step rotates the same tensors): the integer hash is
-    slow in eager torch, and Inductor's CPU vectorizer mistypes its shifts, so compiled code takes
-    them as an input."""
+    """The rotation's signs, kept per size (every step rotates the same tensors): the integer hash
+    is slow in eager torch, and Inductor's CPU vectorizer mistypes its shifts, so compiled code
+    takes them as an input."""
     return random_signs_torch(seed, 0, n, device)
 
 
@@ -161,8 +162,9 @@ def rotate(flat, rotation, inverse=False, out=None):
 
 
 def _spans(tensors, part, block):
-    """(spans, block, LANES) views of part of each tensor, only the number of spans dynamic: given flat
-    tensors, Inductor cannot prove that the lanes of a span number LANES and loops over them."""
+    """(spans, block, LANES) views of part of each tensor, only the number of spans dynamic: given
+    flat tensors, Inductor cannot prove that the lanes of a span number LANES and loops over
+    them."""
     views = [t[part].view(-1, block, LANES) for t in tensors]
     for view in views:
         torch._dynamo.maybe_mark_dynamic(view, 0)
@@ -183,10 +185,10 @@ _workspaces = threading.local()
 
 
 def workspace(n, device, purpose):
-    """A buffer of n fp32 elements for a temporary, kept per thread, device and purpose (one user at a
-    time each) at the largest size asked for: a fresh buffer of over 32 MB is mapped anew by glibc on
-    every call and costs a page fault per 4 KB (a rotated 1e7-element tensor: 45-50 ms into a new
-    tensor, 20-22 ms into this one)."""
+    """A buffer of n fp32 elements for a temporary, kept per thread, device and purpose (one user
+    at a time each) at the largest size asked for: a fresh buffer of over 32 MB is mapped anew by
+    glibc on every call and costs a page fault per 4 KB (a rotated 1e7-element tensor: 45-50 ms
+    into a new tensor, 20-22 ms into this one)."""
     buffers = _workspaces.__dict__.setdefault("buffers", {})
     buffer = buffers.get((device, purpose))
     if buffer is None or buffer.numel() < n:
@@ -194,13 +196,15 @@ def workspace(n, device, purpose):
     return buffer[:n]
 
 
-# The fused kernel holds a rotation's span in one tile; past this size it rotates in a pass of its own.
+# The fused kernel holds a rotation's span in one tile; past this size it rotates in a pass of its
+# own.
 FUSED_SPAN_MAX = 1 << 15
 
 
 def quantize(flat, format, block_size=None, stochastic=False, seed=0, residual=None, rotation=None):
     """The codec's one entry point on flat fp32 data: optional rotation (block, seed), optional
-    error-feedback residual (updated in place), then quantization. Returns (codes, scales, tensor_scale)."""
+    error-feedback residual (updated in place), then quantization. Returns (codes, scales,
+    tensor_scale)."""
     if runs_triton(flat):
         span = LANES * rotation[0] if rotation is not None else 1
         if flat.numel() % span or span > FUSED_SPAN_MAX:
@@ -284,8 +288,8 @@ def decode(enc: Encoded):
 
 
 def accumulate(codes, scales, tensor_scales, n, format, block_size=None, out=None):
-    """fp32 sum, in order, of k payloads of n elements each: codes (k, bytes), scales (k, ...); into out
-    if given, as in dequantize."""
+    """fp32 sum, in order, of k payloads of n elements each: codes (k, bytes), scales (k, ...);
+    into out if given, as in dequantize."""
     _check_out(out, n, codes.device, "accumulate")
     if runs_triton(codes):
         return fused.accumulate_triton(codes, scales, tensor_scales, n, format, block_size, out)

@@ -5,17 +5,28 @@ back once.
 HadamardRotation: u = H D x / sqrt(B) on blocks of the flattened tensor (kernels/hadamard.py).
 
 InputWhitening: the K-FAC input-side factor of an nn.Linear. With A = E[x x^T] of the layer's
-input activations (EMA over batches), A_hat = U_r Lam_r U_r^T + D, where (U_r, Lam_r) are the top
-r eigenpairs of A and D = max(diag(A - U_r Lam_r U_r^T), 0) + damping. A is kept as a Nystrom
-sketch (statistic="sketch", the default: O(in * (r + oversampling)) memory, and (U_r, Lam_r) are
-those of its approximation; sketch.py) or dense (statistic="dense", for comparison).
-Writing V = D^{-1/2} U_r, A_hat = D^{1/2} X D^{1/2} with X = I + V Lam_r V^T. With V = Q R (thin
-QR) and R Lam_r R^T = W Sig W^T, X = I + P Sig P^T for the orthonormal P = Q W, so
-X^{+-1/2} = I + P C_+- P^T with C_+- = (1 + Sig)^{+-1/2} - 1. S = D^{1/2} X^{1/2} has S S^T = A_hat;
-    forward:  u = G S^{-T} = (G D^{-1/2}) X^{-1/2}        inverse:  G = u S^T = (u X^{1/2}) D^{1/2}
-each two products of cost O(out * in * r). Whitened activations S^{-1} x have covariance ~ I.
-sqrt="cholesky" (the paper's L = chol(A_hat)) and sqrt="symmetric" (A_hat^{1/2}) are dense,
-O(out * in^2), for comparison in the fidelity benchmark.
+input activations, (U_r, Lam_r) its top r eigenpairs and the damping delta = damping * tr(A) / in
+(relative to the activations' mean energy per feature, so one value suits every layer and scale),
+u = G S^{-T} for a square root S S^T = A_hat. Any S whitens the activations, but the quantizer is
+not rotation-invariant, so the choice of S matters (benchmarks/results/fidelity.md):
+
+- sqrt="isotropic" (the default): A_hat = U_r Lam_r U_r^T + sigma (I - U_r U_r^T) + delta I, the
+  rest of the spectrum replaced by its mean sigma = (tr(A) - sum Lam_r) / (in - r). Its symmetric
+  root is exactly low rank plus identity: with s = sigma + delta,
+      A_hat^{-1/2} = s^{-1/2} (I + U_r diag(c-) U_r^T),   c- = (s / (Lam_r + delta))^{1/2} - 1
+      A_hat^{+1/2} = (I + U_r diag(c+) U_r^T) s^{1/2},    c+ = ((Lam_r + delta) / s)^{1/2} - 1.
+  Being symmetric (ZCA), it whitens with the least rotation of G's coordinates, so a hot input
+  channel stays where it is instead of being spread over many.
+- sqrt="diagonal": A_hat = U_r Lam_r U_r^T + D, D = max(diag(A - U_r Lam_r U_r^T), 0) + delta,
+  and S = D^{1/2} X^{1/2} with X = I + V Lam_r V^T, V = D^{-1/2} U_r. With V = Q R (thin QR) and
+  R Lam_r R^T = W Sig W^T, X^{+-1/2} = I + P diag(c+-) P^T, P = Q W, c+- = (1 + Sig)^{+-1/2} - 1.
+  Not symmetric: 1.2-1.4x less gain than "isotropic" with lagged statistics (fidelity.md).
+Both are applied as  forward: u = (G / d) (I + P diag(c-) P^T),  inverse: G = (u (I + P diag(c+)
+P^T)) d, with d = D^{1/2} (a constant s^{1/2} for "isotropic"): O(out * in * r) each.
+A is kept as a Nystrom sketch (statistic="sketch", the default: O(in * (r + oversampling)) memory,
+(U_r, Lam_r) are those of its approximation; sketch.py) or dense (statistic="dense", for
+comparison). sqrt="cholesky" (the paper's L = chol(A_hat), A_hat as for "diagonal") and
+sqrt="symmetric" (A_hat^{1/2}) are dense, O(out * in^2), for comparison in the benchmarks.
 """
 
 import torch
@@ -25,7 +36,8 @@ from .sketch import OVERSAMPLING, DenseCovariance, NystromSketch
 
 # The factors of the identity map: those of a layer before its first refresh.
 IDENTITY_FACTORS = {}
-SQUARE_ROOTS = ("lowrank", "cholesky", "symmetric")
+SQUARE_ROOTS = ("isotropic", "diagonal", "cholesky", "symmetric")
+LOW_RANK_ROOTS = ("isotropic", "diagonal")
 STATISTICS = ("sketch", "dense")
 
 
@@ -58,15 +70,18 @@ class HadamardRotation:
 
 class InputWhitening:
     """K-FAC input-side whitening of an nn.Linear weight gradient (out_features x in_features).
-    The statistic is created on the device of the first activations (or mean) it is given."""
+    The statistic is created on the device of the first activations (or mean) it is given.
+
+    rank: eigenpairs of A kept (r); damping: delta / (tr(A) / in), see the module docstring;
+    ema: weight of the old statistic in update() and fold(); sqrt, statistic: module docstring."""
 
     def __init__(
         self,
         in_features,
         rank=32,
-        damping=1e-3,
-        ema=0.95,
-        sqrt="lowrank",
+        damping=0.1,
+        ema=0.9,
+        sqrt="isotropic",
         statistic="sketch",
         oversampling=OVERSAMPLING,
         seed=0,
@@ -142,8 +157,21 @@ class InputWhitening:
     def compute_factors(self):
         """The factors of the current statistic (module docstring): fp64 math, fp32 result."""
         lam, vec, diagonal = self.statistic.eigenpairs(self.rank)
-        d = (diagonal - (vec * vec) @ lam).clamp_min(0) + self.damping
-        if self.sqrt == "lowrank":
+        trace = float(diagonal.sum())
+        # all-zero inputs (A = 0) have no scale to damp relative to: the map is the identity
+        delta = self.damping * trace / self.in_features if trace > 0 else 1.0
+        if self.sqrt == "isotropic":
+            rest = self.in_features - lam.numel()
+            sigma = max(trace - float(lam.sum()), 0.0) / rest if rest else 0.0
+            s = sigma + delta
+            return {
+                "d_sqrt": torch.full_like(diagonal, s**0.5).float(),
+                "p": vec.float(),
+                "c_minus": ((s / (lam + delta)).sqrt() - 1).float(),
+                "c_plus": (((lam + delta) / s).sqrt() - 1).float(),
+            }
+        d = (diagonal - (vec * vec) @ lam).clamp_min(0) + delta
+        if self.sqrt == "diagonal":
             v = vec / d.sqrt()[:, None]
             q, r = torch.linalg.qr(v)
             sig, w = torch.linalg.eigh((r * lam) @ r.t())
@@ -189,7 +217,7 @@ class InputWhitening:
             )
         if not f:  # None or IDENTITY_FACTORS: no statistic yet
             return g.clone() if out is None else out.copy_(g)
-        if self.sqrt == "lowrank":
+        if self.sqrt in LOW_RANK_ROOTS:
             result = _lowrank_map(g, f, inverse=what == "inverse", out=out)
         else:
             result = g.to(torch.float32) @ f["s" if what == "inverse" else "s_inv"].t()

@@ -2,6 +2,14 @@
 (sketch.py), summed over ranks, and factors that are bit-identical on every rank (each statistic's
 factors are computed by one rank and broadcast).
 
+Every step's forward pass adds its activations' sketch to a per-step EMA kept on each rank:
+    history <- decay * history + [sketch sums of this step's tokens, token count]
+with decay = 1 - 1 / window (bias-corrected: the statistic is the ratio of the two parts). Every
+`refresh_every` steps, at the step's first gradient, the histories are summed over ranks and the
+factors recomputed from steps before this one: the factors never fit the batch they compress, as
+in every step between refreshes, so what "auto" measures on a refresh step holds for the others
+(benchmarks/results/fidelity.md: the gain with a one-step-old statistic and with this EMA).
+
 Layers that read the same input tensor (q/k/v of attention read one normed hidden state, gate/up
 of an MLP another) have the same A: they share one statistic and one set of factors. Sharing is
 found by the forward pre-hooks at the first statistics step: a layer whose first input of the step
@@ -22,17 +30,18 @@ from .geometry import IDENTITY_FACTORS, InputWhitening
 
 
 class WhiteningStatistics:
-    """Forward pre-hooks on the nn.Linear layers whose weights are trained; every `stat_every` steps
-    the owners' hooks sum their sketches over that step's forward passes and refresh() turns the
-    sums into factors. whitening maps every weight name to its InputWhitening (one object for the
-    layers that share an input, once sharing is settled)."""
+    """Forward pre-hooks on the nn.Linear layers whose weights are trained: the owners' hooks sum
+    their sketches over each step's forward passes, advance() folds them into the history, and
+    refresh() turns the histories into factors. whitening maps every weight name to its
+    InputWhitening (one object for the layers that share an input, once sharing is settled)."""
 
-    def __init__(self, model, params, rank, damping, stat_every, process_set):
-        self.stat_every, self.rank, self.damping = stat_every, rank, damping
+    def __init__(self, model, params, rank, damping, refresh_every, window, process_set):
+        self.refresh_every, self.rank, self.damping = refresh_every, rank, damping
+        self.window, self.decay = window, 1.0 - 1.0 / window
         self.process_set = process_set     # may be replaced before the first refresh
-        self.current_step = 0
         self.whitening, self._modules, self._handles = {}, {}, []
         self._sums = {}          # owner -> this step's [sketch sums, tokens], activations' device
+        self._history = {}       # owner -> EMA of earlier steps' sums (module docstring)
         self._owner = None       # weight name -> owner weight name, once settled
         self._first_owner = {}   # until settled: weight name -> owner, from the layer's first input
         self._readers = {}       # until settled: input key -> (weak reference to the input, owner)
@@ -49,7 +58,7 @@ class WhiteningStatistics:
 
     def _hook(self, name):
         def collect(module, inputs):
-            if not (self.due(self.current_step) and module.training and torch.is_grad_enabled()):
+            if not (module.training and torch.is_grad_enabled()):
                 return
             if self._owner is not None:
                 owner = self._owner[name]
@@ -90,8 +99,9 @@ class WhiteningStatistics:
         for name, module in self._modules.items():
             owner = name if owner_of is None else owner_of[name]
             if owner not in owners:
+                # ema 0: the statistic is replaced by each refresh's (the EMA is the history)
                 owners[owner] = InputWhitening(module.in_features, rank=self.rank,
-                                               damping=self.damping)
+                                               damping=self.damping, ema=0.0)
             self.whitening[name] = owners[owner]
 
     def _settle_sharing(self):
@@ -119,25 +129,43 @@ class WhiteningStatistics:
         return True
 
     def due(self, step):
-        return bool(self._modules) and step % self.stat_every == 0
+        return bool(self._modules) and step % self.refresh_every == 0
+
+    def advance(self):
+        """Fold this step's sums into the history (local: no collective). Call it once a step,
+        after any refresh of that step."""
+        owners = None if self._owner is None else set(self._owner.values())
+        for owner, history in list(self._history.items()):
+            if owners is not None and owner not in owners:
+                del self._history[owner]     # keyed by an owner sharing settled otherwise
+            else:
+                history.mul_(self.decay)
+        for owner, sums in self._sums.items():
+            if owners is not None and owner not in owners:
+                continue
+            if owner in self._history:
+                self._history[owner].add_(sums)
+            else:
+                self._history[owner] = sums
+        self._sums = {}
 
     def refresh(self):
-        """Sum this step's sketches over ranks, fold them into every statistic's EMA, compute its
-        factors on rank (owner index mod ranks) and broadcast them. Returns {weight name: previous
-        factors} for every layer whose factors changed (all the layers sharing a statistic)."""
+        """Sum the histories over ranks, make them every statistic's value, compute its factors on
+        rank (owner index mod ranks) and broadcast them. Returns {weight name: previous factors}
+        for every layer whose factors changed (all the layers sharing a statistic)."""
         if self._owner is None and not self._settle_sharing():
             return {}
         owners = sorted(set(self._owner.values()))
         reductions = []
         for owner in owners:
             statistic = self.whitening[owner].statistic
-            sums = self._sums.get(owner)
-            if sums is None:                 # not run here this step: add nothing
-                sums = torch.zeros(statistic.numel + 1, dtype=statistic.dtype,
-                                   device=self._modules[owner].weight.device)
-            reductions.append(hvd.allreduce_async_(sums, op=hvd.Sum, name=f"gift.stats.{owner}",
-                                                   process_set=self.process_set))
-        self._sums = {}
+            history = self._history.get(owner)
+            if history is None:              # never run here: add nothing
+                history = torch.zeros(statistic.numel + 1, dtype=statistic.dtype,
+                                      device=self._modules[owner].weight.device)
+            # not in place: the history goes on decaying here
+            reductions.append(hvd.allreduce_async(history, op=hvd.Sum, name=f"gift.stats.{owner}",
+                                                  process_set=self.process_set))
         n, me = self.process_set.size(), self.process_set.rank()
         broadcasts = []
         for i, (owner, handle) in enumerate(zip(owners, reductions)):
@@ -168,6 +196,14 @@ class WhiteningStatistics:
                                      f"{', '.join(failed)} could not be computed from a finite "
                                      "statistic (see the computing rank's log)")
         return changed
+
+    def local_state_dict(self):
+        """This rank's histories (host copies): part of the per-rank state, like the residuals."""
+        return {owner: h.to("cpu", copy=True) for owner, h in self._history.items()}
+
+    def load_local_state_dict(self, state):
+        self._history = {owner: h.to(self._modules[owner].weight.device, copy=True)
+                         for owner, h in state.items()}
 
     def state_dict(self):
         """The owners (None while unsettled) and each distinct statistic's state, by owner."""

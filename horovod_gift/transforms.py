@@ -1,14 +1,12 @@
 """Which transform each gradient takes, and applying it.
 
-"none", "hadamard" (randomized Hadamard rotation of the flattened tensor), "whiten" (K-FAC input
-whitening; nn.Linear weights only) and "whiten+hadamard". "auto" starts every tensor at "none"
-and, on the step after each statistics refresh, re-picks per tensor the candidate with the
-smallest round-trip error on that step's gradients summed over ranks (so every rank picks the
-same). It starts at "none" and votes one step after the refresh because whitening factors fit the
-batch they were computed from far better than the batches after it: on the refresh step whitening
-beats "none", two steps later its error in the gradient space is several times larger
-(benchmarks/results/robustness.md, clean steps on 2 ranks, worst per-step relative error with
-NVFP4: forced whitening 1.13, none 0.24, auto 0.24).
+"none", "hadamard" (randomized Hadamard rotation of the flattened tensor), "whiten" (input
+whitening; nn.Linear weights only, other tensors take "none") and "whiten+hadamard" (other
+tensors take "hadamard"). "auto" starts every tensor at "none" and, on each refresh step after the
+first, re-picks per tensor the candidate with the smallest round-trip error on that step's
+gradients summed over ranks (so every rank picks the same). The factors of a refresh step come
+from earlier batches only, as on the steps that follow it, so the vote measures what they will
+get. The GIFT class docstring says when to use which (benchmarks/results/fidelity.md).
 """
 
 import torch
@@ -40,8 +38,9 @@ class TransformPlan:
         return ("none", "hadamard")
 
     def forward(self, name, g, plan=None, in_place=False):
-        """Flat fp32 transformed gradient; in_place: g is not needed afterwards and may be overwritten
-        (a gradient of over 32 MB rotated into a new tensor costs a page fault per 4 KB on CPU)."""
+        """Flat fp32 transformed gradient; in_place: g is not needed afterwards and may be
+        overwritten (a gradient of over 32 MB rotated into a new tensor costs a page fault per
+        4 KB on CPU)."""
         plan = plan or self.choice[name]
 
         def writable(t):  # g given up, or a copy of it (a dtype change, a non-contiguous gradient)
@@ -60,7 +59,8 @@ class TransformPlan:
         return flat
 
     def inverse(self, name, u, plan=None, factors=None, in_place=False):
-        """Flat fp32 gradient from flat fp32 u; in_place: u is not needed afterwards and may be overwritten."""
+        """Flat fp32 gradient from flat fp32 u; in_place: u is not needed afterwards and may be
+        overwritten."""
         plan = plan or self.choice[name]
         x = u
         if plan.endswith("hadamard"):
@@ -74,7 +74,8 @@ class TransformPlan:
         return x
 
     def record(self, name, g, codec):
-        """On a refresh step under "auto": this rank's round-trip error of each candidate (local)."""
+        """On a refresh step under "auto": this rank's round-trip error of each candidate
+        (local)."""
         if self.transform != "auto" or not self.evaluating:
             return
         flat = g.detach().reshape(-1).to(torch.float32)
@@ -90,7 +91,8 @@ class TransformPlan:
 
     def start_vote(self):
         """Sum every recorded error over ranks: one collective, started once every rank has sent
-        every gradient (a collective inside compress could deadlock: ranks call it in different orders)."""
+        every gradient (a collective inside compress could deadlock: ranks call it in different
+        orders)."""
         if self._errors:
             names = sorted(self._errors)
             self._vote = (

@@ -40,7 +40,7 @@ def batch(step, rank, size=16, length=12, vocab=64):
 def make(format, block_size=None, transform="auto", error_feedback=True, lr=1e-2, **kw):
     model = TinyLM()
     compression = gift.GIFT(model, format=format, block_size=block_size, transform=transform,
-                            error_feedback=error_feedback, stat_every=10, verbose=False) if format else hvd.Compression.none
+                            error_feedback=error_feedback, refresh_every=10, verbose=False) if format else hvd.Compression.none
     opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=lr),
                                    named_parameters=model.named_parameters(), compression=compression, **kw)
     return model, opt, compression
@@ -121,7 +121,7 @@ def test_the_average_lands_in_the_gradient_tensor(transform):
     """Like Horovod's in-place allreduce, the average is written over p.grad, which is also where it is
     whitened and rotated on its way out and back: the same storage, and the average of every rank's gradient."""
     layer = torch.nn.Linear(256, 64, bias=False)
-    compression = gift.GIFT(layer, format="fp8_e4m3", transform=transform, error_feedback=False, stat_every=1,
+    compression = gift.GIFT(layer, format="fp8_e4m3", transform=transform, error_feedback=False, refresh_every=1,
                             verbose=False)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=0.0), named_parameters=[("w", layer.weight)],
                                    compression=compression)

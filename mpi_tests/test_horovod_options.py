@@ -212,7 +212,7 @@ def unplaced_allocations():
 def test_every_tensor_gift_creates_is_placed_on_purpose(format, transform, residual_dtype):
     with unplaced_allocations() as found:
         model = SparseLM()
-        compression = gift.GIFT(model, format=format, transform=transform, stat_every=2,
+        compression = gift.GIFT(model, format=format, transform=transform, refresh_every=2,
                                 residual_dtype=residual_dtype, verbose=False)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(),

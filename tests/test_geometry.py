@@ -85,10 +85,11 @@ def test_whitening_with_full_rank_gives_identity_covariance():
     assert torch.allclose(c, torch.eye(96, dtype=torch.float64), atol=2e-3)
 
 
-@pytest.mark.parametrize("sqrt", ["lowrank", "cholesky", "symmetric"])
+@pytest.mark.parametrize("sqrt", ["diagonal", "cholesky", "symmetric"])
 def test_low_rank_whitening_flattens_the_spectrum(sqrt):
-    """Every square root, from the exact top eigenpairs (the dense statistic). The sketch's
-    eigenpairs are approximate on this flat noise floor: tests/test_sketch.py."""
+    """Every square root of low rank + diagonal, from the exact top eigenpairs (the dense
+    statistic). The sketch's eigenpairs are approximate on this flat noise floor:
+    tests/test_sketch.py."""
     x = spiked_activations()
     before = torch.linalg.cond(covariance(x))
     w = gift.InputWhitening(96, rank=8, damping=1e-3, sqrt=sqrt, statistic="dense")
@@ -97,18 +98,61 @@ def test_low_rank_whitening_flattens_the_spectrum(sqrt):
     assert before > 1000 and after < 2.5
 
 
+def test_isotropic_root_flattens_the_spikes_and_keeps_the_diagonal_floor():
+    """The isotropic remainder replaces the diagonal noise floor (0.1 ... 1.1 here) by its mean:
+    the spikes go, the floor's own spread (11x) stays."""
+    x = spiked_activations()
+    w = gift.InputWhitening(96, rank=8, damping=1e-3, statistic="dense")
+    w.update(x)
+    after = torch.linalg.cond(covariance(w.whiten_activations(x)))
+    assert after < 15
+
+
+def test_isotropic_root_is_the_symmetric_root_of_low_rank_plus_mean():
+    """forward = G A_hat^{-1/2}, inverse = G A_hat^{1/2} for A_hat = U L U^T + sigma (I - U U^T)
+    + delta I (sigma: mean of the rest of the spectrum, delta = damping tr(A) / in), worked out
+    densely in fp64 from the exact eigenpairs."""
+    x = spiked_activations(n_in=48, tokens=20_000)
+    a = covariance(x)
+    e, v = torch.linalg.eigh(a)
+    lam, u = e[-8:], v[:, -8:]
+    sigma, delta = (a.trace() - lam.sum()) / 40, 0.1 * a.trace() / 48
+    a_hat = (u * lam) @ u.t() + sigma * (torch.eye(48, dtype=torch.float64) - u @ u.t())
+    e_hat, v_hat = torch.linalg.eigh(a_hat + delta * torch.eye(48, dtype=torch.float64))
+    w = gift.InputWhitening(48, rank=8, damping=0.1, statistic="dense")
+    w.update(x)
+    g = torch.randn(20, 48, generator=torch.Generator().manual_seed(1))
+    root_inv, root = ((v_hat * e_hat.pow(p)) @ v_hat.t() for p in (-0.5, 0.5))
+    assert torch.allclose(w.forward(g).double(), g.double() @ root_inv, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(w.inverse(g).double(), g.double() @ root, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("sqrt", ["isotropic", "diagonal", "symmetric"])
+def test_damping_is_relative_to_the_activations_scale(sqrt):
+    """Activations 1000x larger give a map 1000x smaller, whatever the damping: a damping in
+    absolute units would whiten small and large activations differently."""
+    x = spiked_activations(n_in=48, tokens=5000)
+    small, large = (gift.InputWhitening(48, rank=8, damping=0.1, sqrt=sqrt) for _ in range(2))
+    small.update(x)
+    large.update(x * 1000)
+    g = torch.randn(10, 48, generator=torch.Generator().manual_seed(2))
+    scaled, expected = large.forward(g) * 1000, small.forward(g)
+    assert (scaled - expected).norm() < 1e-4 * expected.norm()
+
+
 def test_square_roots_agree_on_the_whitened_spectrum():
-    """S S^T = A_hat for every square root, so S^{-1} A S^{-T} has the same eigenvalues."""
+    """S S^T = A_hat for every square root of low rank + diagonal, so S^{-1} A S^{-T} has the
+    same eigenvalues."""
     x = spiked_activations(n_in=48, tokens=20_000)
     spectra = []
-    for sqrt in ("lowrank", "cholesky", "symmetric"):
+    for sqrt in ("diagonal", "cholesky", "symmetric"):
         w = gift.InputWhitening(48, rank=8, damping=1e-3, sqrt=sqrt)
         w.update(x)
         spectra.append(torch.linalg.eigvalsh(covariance(w.whiten_activations(x))))
     assert torch.allclose(spectra[0], spectra[1], rtol=1e-3) and torch.allclose(spectra[0], spectra[2], rtol=1e-3)
 
 
-@pytest.mark.parametrize("sqrt", ["lowrank", "cholesky", "symmetric"])
+@pytest.mark.parametrize("sqrt", ["isotropic", "diagonal", "cholesky", "symmetric"])
 def test_whitening_inverse_undoes_forward(sqrt):
     w = gift.InputWhitening(64, rank=16, sqrt=sqrt)
     g = torch.randn(10, 64)
@@ -124,7 +168,7 @@ def test_low_rank_map_in_row_blocks_equals_its_formula(monkeypatch):
     in fp64 here, against the CPU path that runs in blocks of rows (several, and a short last one)."""
     from horovod_gift import geometry
     monkeypatch.setattr(geometry, "ROW_BLOCK_ELEMENTS", 64 * 7)
-    w = gift.InputWhitening(64, rank=16)
+    w = gift.InputWhitening(64, rank=16, sqrt="diagonal")
     w.update(spiked_activations(n_in=64, tokens=5000))
     g = torch.randn(30, 64, generator=torch.Generator().manual_seed(4))
     f = {k: v.double() for k, v in w.factors.items()}
@@ -134,7 +178,7 @@ def test_low_rank_map_in_row_blocks_equals_its_formula(monkeypatch):
     assert torch.allclose(w.inverse(g).double(), inverse, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("sqrt", ["lowrank", "cholesky"])
+@pytest.mark.parametrize("sqrt", ["isotropic", "diagonal", "cholesky"])
 def test_whitening_into_out_or_in_place_gives_the_same_bits(sqrt, monkeypatch):
     """GIFT whitens a gradient in its own storage: the result must not depend on where it is written,
     also when the rows run in blocks (several, and a short last one)."""

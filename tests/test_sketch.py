@@ -59,9 +59,10 @@ def test_sketch_whitening_on_a_flat_noise_floor_tends_to_the_dense_one():
     l = 28 of 96 the whitened spectrum is flat only to a factor of a few; with l = in_features the
     sketch is exact and whitens as the dense statistic does (up to fp32 rounding)."""
     x = spiked_activations()
-    dense = gift.InputWhitening(96, rank=8, damping=1e-3, statistic="dense")
-    default = gift.InputWhitening(96, rank=8, damping=1e-3)
-    exact = gift.InputWhitening(96, rank=8, damping=1e-3, oversampling=88)
+    common = dict(rank=8, damping=1e-3, sqrt="diagonal")   # the floor's spread kept by isotropic
+    dense = gift.InputWhitening(96, statistic="dense", **common)
+    default = gift.InputWhitening(96, **common)
+    exact = gift.InputWhitening(96, oversampling=88, **common)
     for w in (dense, default, exact):
         w.update(x)
     assert float(torch.linalg.cond(covariance(x))) > 1000
@@ -143,12 +144,14 @@ def test_sketching_matrix_is_orthonormal_deterministic_and_sized():
 
 
 def test_a_zero_statistic_and_an_indefinite_sketch_still_factor(monkeypatch):
-    """All-zero inputs (Y = 0: only the floor of the shift is positive), and a Y perturbed so that
-    Omega^T Y_nu is indefinite at the first shift, which then grows."""
-    w = gift.InputWhitening(64, rank=8)
-    w.update(torch.zeros(100, 64))
-    g = torch.randn(5, 64)
-    assert torch.allclose(w.forward(g), g / 1e-3 ** 0.5)
+    """All-zero inputs (Y = 0: only the floor of the shift is positive; with no scale to damp
+    relative to, the map is the identity), and a Y perturbed so that Omega^T Y_nu is indefinite at
+    the first shift, which then grows."""
+    for sqrt in ("isotropic", "diagonal"):
+        w = gift.InputWhitening(64, rank=8, sqrt=sqrt)
+        w.update(torch.zeros(100, 64))
+        g = torch.randn(5, 64)
+        assert torch.allclose(w.forward(g), g) and torch.allclose(w.inverse(g), g)
     w = gift.InputWhitening(64, rank=8)
     w.update(decaying_activations(n_in=64, tokens=4000, decay=0.5))
     y = w.statistic.state[:-64]
@@ -190,12 +193,16 @@ class SharedInputs(torch.nn.Module):
 
 def statistics_of(model):
     return WhiteningStatistics(model, dict(model.named_parameters()), rank=4, damping=1e-3,
-                               stat_every=1, process_set=hvd.global_process_set)
+                               refresh_every=1, window=10, process_set=hvd.global_process_set)
 
 
 def statistics_step(model, stats, x):
+    """One step as GIFT runs it: forward and backward, refresh at the first gradient (from the
+    steps before), then this step's sums go into the history."""
     model(x).backward()
-    return stats.refresh()
+    changed = stats.refresh()
+    stats.advance()
+    return changed
 
 
 def test_layers_reading_one_input_share_one_statistic(horovod, monkeypatch):
@@ -203,19 +210,20 @@ def test_layers_reading_one_input_share_one_statistic(horovod, monkeypatch):
     model = SharedInputs()
     stats = statistics_of(model)
     names = []
-    for collective in ("allreduce_async_", "broadcast_async_"):
+    for collective in ("allreduce_async", "broadcast_async_"):
         original = getattr(hvd, collective)
         monkeypatch.setattr(hvd, collective, lambda t, *a, original=original, **k:
                             names.append(k["name"]) or original(t, *a, **k))
     x = torch.randn(4, 6, 32)
-    changed = statistics_step(model, stats, x)
+    assert statistics_step(model, stats, x) == {}, "no earlier step: no factors"
     w = stats.whitening
     assert w["q.weight"] is w["k.weight"] and w["o.weight"] is not w["q.weight"]
+    changed = statistics_step(model, stats, torch.randn(4, 6, 32))
     assert set(changed) == {"q.weight", "k.weight", "o.weight"}
     assert changed["k.weight"] is gift.geometry.IDENTITY_FACTORS     # no factors before
-    assert names == ["gift.stats.o.weight", "gift.stats.q.weight",
-                     "gift.factors.o.weight", "gift.factors.q.weight"]
-    # The shared statistic counts q's input once, not once per reader.
+    assert names == ["gift.stats.o.weight", "gift.stats.q.weight"] * 2 + [
+        "gift.factors.o.weight", "gift.factors.q.weight"]
+    # The shared statistic counts q's input once, not once per reader, and only the first step's.
     alone = gift.InputWhitening(32, rank=4)
     alone.update(model.norm(x))
     shared = w["q.weight"].statistic.state
@@ -233,12 +241,38 @@ def test_layers_reading_one_input_share_one_statistic(horovod, monkeypatch):
     restored.remove_hooks()
 
 
+def test_refresh_uses_a_bias_corrected_ema_of_earlier_steps_only(horovod):
+    """Steps of 4, 8 and 2 tokens, refresh on the fourth: (d^2 S1 + d S2 + S3) / (d^2 4 + d 8 + 2),
+    d = 1 - 1/window; the fourth step's own batch (huge here) is not in it."""
+    torch.manual_seed(0)
+    model = SharedInputs()
+    stats = WhiteningStatistics(model, dict(model.named_parameters()), rank=4, damping=0.1,
+                                refresh_every=3, window=4, process_set=hvd.global_process_set)
+    batches = [torch.randn(n, 1, 32) for n in (4, 8, 2)] + [torch.randn(5, 1, 32) * 100]
+    for x in batches:
+        statistics_step(model, stats, x)
+    d = 0.75
+    weights = [d * d, d, 1.0]
+    sums = [sketch_sums(stats.whitening["o.weight"].statistic, x) for x in batches[:3]]
+    expected = sum(w * s for w, s in zip(weights, sums)) / (d * d * 4 + d * 8 + 2)
+    state = stats.whitening["o.weight"].statistic.state
+    assert torch.allclose(state, expected, rtol=1e-5, atol=1e-6)
+    stats.remove_hooks()
+
+
+def sketch_sums(statistic, x):
+    sums = torch.zeros(statistic.numel)
+    statistic.accumulate(x.reshape(-1, x.shape[-1]), sums)
+    return sums
+
+
 def test_sharing_waits_for_a_statistics_step_that_ran(horovod):
     model = SharedInputs()
     stats = statistics_of(model)
     with torch.no_grad():
         model(torch.randn(2, 3, 32))
     assert stats.refresh() == {} and stats.whitening["q.weight"] is not stats.whitening["k.weight"]
+    stats.advance()
     statistics_step(model, stats, torch.randn(2, 3, 32))
     assert stats.whitening["q.weight"] is stats.whitening["k.weight"]
     stats.remove_hooks()
@@ -292,10 +326,12 @@ def test_statistics_are_taken_in_fp32_under_autocast(horovod):
     must not come out bf16 (an fp32 sum cannot take them)."""
     model = SharedInputs()
     stats = statistics_of(model)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(torch.randn(4, 6, 32))
-    loss.float().backward()
-    changed = stats.refresh()
+    for _ in range(2):          # the second refresh has the first step's statistics
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(torch.randn(4, 6, 32))
+        loss.float().backward()
+        changed = stats.refresh()
+        stats.advance()
     assert set(changed) == {"q.weight", "k.weight", "o.weight"}
     assert stats.whitening["q.weight"].statistic.state.dtype == torch.float32
 
@@ -303,7 +339,8 @@ def test_statistics_are_taken_in_fp32_under_autocast(horovod):
 def test_state_is_copied_out_and_loaded_onto_the_layers_device(horovod):
     model = SharedInputs()
     stats = statistics_of(model)
-    statistics_step(model, stats, torch.randn(4, 6, 32))
+    for _ in range(2):      # factors from the second step on
+        statistics_step(model, stats, torch.randn(4, 6, 32))
     saved = stats.state_dict()
     before = {k: v.clone() for k, v in saved["whitening"]["q.weight"]["factors"].items()}
     statistics_step(model, stats, torch.randn(4, 6, 32) * 3)      # the EMA moves on in place
@@ -324,5 +361,6 @@ def test_factors_that_cannot_be_computed_raise_on_every_rank(horovod, monkeypatc
     def fail(self):
         raise RuntimeError("linalg failed")
     monkeypatch.setattr(gift.InputWhitening, "compute_factors", fail)
+    statistics_step(model, stats, torch.randn(4, 6, 32))        # no earlier step: no factors
     with pytest.raises(FloatingPointError, match="could not be computed"):
         statistics_step(model, stats, torch.randn(4, 6, 32))
