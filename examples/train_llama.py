@@ -7,9 +7,10 @@ On a GPU cluster, `--device cuda` puts each rank on its local GPU (hvd.local_ran
 forward and backward passes under bf16 autocast where the GPU supports bf16; parameters,
 gradients and GIFT's state stay fp32 on the GPU.
 """
-import contextlib
 import argparse
+import contextlib
 import csv
+import logging
 import os
 import pathlib
 import sys
@@ -28,7 +29,7 @@ COMPRESSIONS = {"none": None, "fp16": None, "fp8": ("fp8_e4m3", "none"), "nvfp4"
                 "gift-fp8": ("fp8_e4m3", None), "gift-nvfp4": ("nvfp4", None)}
 
 
-def make_compression(name, model, bucket_elements=1 << 22, error_feedback=True):
+def make_compression(name, model, bucket_elements=1 << 22, error_feedback=True, log_every=0):
     if name == "none":
         return hvd.Compression.none, None
     if name == "fp16":
@@ -36,7 +37,7 @@ def make_compression(name, model, bucket_elements=1 << 22, error_feedback=True):
     format, transform = COMPRESSIONS[name]
     options = {} if transform is None else {"transform": transform}
     compressor = gift.GIFT(model, format=format, bucket_elements=bucket_elements,
-                           error_feedback=error_feedback, **options)
+                           error_feedback=error_feedback, log_every=log_every, **options)
     return compressor, compressor
 
 
@@ -59,6 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--bucket-elements", type=int, default=1 << 22, help="GIFT bucket size")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--no-error-feedback", action="store_true", help="GIFT without error feedback")
+    p.add_argument("--log-every", type=int, default=0, help="GIFT logs a line every N steps on rank 0")
     p.add_argument("--eval-every", type=int, default=0,
                    help="held-out loss every N steps (and at the end) on --eval-batches fixed batches")
     p.add_argument("--eval-batches", type=int, default=8)
@@ -77,6 +79,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     hvd.init()
     torch.manual_seed(args.seed)
     device, autocast = place(args.device)
@@ -84,7 +87,7 @@ def main(argv=None):
                       hidden_dim=(8 * args.dim // 3 + 7) // 8 * 8, max_seq_len=args.seq_len)
     model = Llama(cfg).to(device)
     compression, compressor = make_compression(args.compression, model, args.bucket_elements,
-                                               not args.no_error_feedback)
+                                               not args.no_error_feedback, args.log_every)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     # wrap first: DistributedOptimizer builds a new optimizer object, which would drop loaded state
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compression)
@@ -94,7 +97,7 @@ def main(argv=None):
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         if compressor is not None:
-            compressor.load_state_dict(ckpt["compressor"])
+            load_compressor(compressor, args.resume, ckpt)
         start_step = ckpt["step"]
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
@@ -239,11 +242,29 @@ def summary(args, losses, compressor, seconds, steps):
 
 
 def save_checkpoint(path, model, optimizer, compressor, step):
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+    """Rank 0 saves the model, the optimizer and GIFT's shared state; every rank saves GIFT's own
+    state (its error-feedback residuals) beside it, so a job of the same size resumes bit for bit
+    and a job of another size resumes with residuals at zero."""
     if compressor is not None:
-        state["compressor"] = compressor.state_dict()    # collective: every rank calls it
+        torch.save(compressor.state_dict(), rank_state_path(path, hvd.rank()))
     if hvd.rank() == 0:
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+        if compressor is not None:
+            state["compressor"] = compressor.state_dict(rank_state=False)
         torch.save(state, path)
+
+
+def rank_state_path(path, rank):
+    return f"{path}.gift-rank{rank}"
+
+
+def load_compressor(compressor, path, ckpt):
+    """This rank's saved GIFT state if there is one, else the shared state in the checkpoint."""
+    mine = rank_state_path(path, hvd.rank())
+    if os.path.exists(mine):
+        compressor.load_state_dict(torch.load(mine, map_location="cpu", weights_only=False))
+    else:
+        compressor.load_state_dict(ckpt["compressor"])
 
 
 if __name__ == "__main__":

@@ -17,13 +17,13 @@ second stage in flight together. Tensors under `min_elements`, sparse gradients 
 which a rank has called hvd.join() take Horovod's own fp32 reduction.
 """
 import hashlib
-import sys
 import time
 import weakref
 
 import torch
 import horovod.torch as hvd
 from horovod.torch.compression import Compressor
+from torch.profiler import record_function
 
 from horovod_gift.kernels.hadamard import LANES
 
@@ -32,6 +32,7 @@ from .collective import BucketReduction, Codec, allgather_object
 from .config import check_codec
 from .feedback import ErrorFeedback
 from .statistics import WhiteningStatistics
+from .telemetry import Telemetry, logger
 from .transforms import TRANSFORMS, TransformPlan
 
 HOROVOD_DTYPES = (torch.float16, torch.float32, torch.float64)
@@ -71,6 +72,14 @@ class GIFT(Compressor):
     Statistics one step old gave 7 % less error than five steps old, and 1.3x less than 20.
     stat_window: the statistics are an EMA over steps with decay 1 - 1 / stat_window. 5 matched a
     one-step-old statistic; 20 gave 5-10 % more error.
+    start_step: warm-up; steps before it take Horovod's fp32 path, bit for bit as without GIFT,
+    while the whitening statistics gather; compression starts with zero residuals.
+    grad_scaler: the torch.amp.GradScaler of fp16 training. The residuals are in its scaled units;
+    GIFT rescales them whenever the scale changes. Without it, a change of scale leaves them off
+    by the ratio of the scales (a backoff after an overflow makes them 2x too large).
+    log_every: log one line every N steps on rank 0 (logger "horovod_gift", level INFO): bits per
+    element, bytes sent, codec and wait seconds per step, and how many tensors take each
+    transform; 0 (the default) logs nothing periodically.
     residual_dtype: torch.float32 (default) or torch.bfloat16 for the error-feedback residuals.
     They hold 1 + 1/ranks parameter elements per parameter element (stage 1 per tensor, stage 2
     per owned chunk): 4 (1 + 1/n) bytes per parameter in fp32, half that in bf16 (plus an fp32
@@ -84,7 +93,8 @@ class GIFT(Compressor):
                  min_elements=1024, whitening_rank=32, damping=1.0, refresh_every=REFRESH_EVERY,
                  stat_window=STAT_WINDOW,
                  hadamard_block=128, nonfinite="nan", process_set=None,
-                 residual_dtype=torch.float32, verbose=True):
+                 residual_dtype=torch.float32, start_step=0, grad_scaler=None, log_every=0,
+                 verbose=True):
         if not hvd.is_initialized():
             raise RuntimeError("GIFT: call hvd.init() before creating GIFT(model, ...)")
         if not isinstance(model, torch.nn.Module):
@@ -95,6 +105,11 @@ class GIFT(Compressor):
             raise ValueError(f"GIFT: unknown transform {transform!r}; expected one of {TRANSFORMS}")
         if nonfinite not in ("nan", "raise"):
             raise ValueError(f"GIFT: nonfinite must be 'nan' or 'raise', got {nonfinite!r}")
+        if not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"GIFT: start_step must be a non-negative int, got {start_step!r}")
+        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+            raise TypeError(f"GIFT: grad_scaler must be a torch.amp.GradScaler, "
+                            f"got {type(grad_scaler).__name__}")
         if residual_dtype not in RESIDUAL_DTYPES:
             raise ValueError(f"GIFT: residual_dtype must be one of {RESIDUAL_DTYPES}, "
                              f"got {residual_dtype!r}")
@@ -128,10 +143,11 @@ class GIFT(Compressor):
         self.feedback = ErrorFeedback(self.params, residual_dtype) if error_feedback else None
         self.step = 0
         self._verify = True
-        self._pending_residuals = None    # every rank's, loaded before the process set was known
+        self._pending_rank_state = False  # loaded before the process set was known: apply later
         self._grad_names = {}
-        self._counters = dict(elements=0, bytes_sent=0, payload_bytes=0, uncompressed_elements=0,
-                              seconds_in_gift=0.0, wait_seconds=0.0, joined_steps=0)
+        self.start_step, self.grad_scaler = start_step, grad_scaler
+        self._scale = None              # the GradScaler's scale the residuals are in
+        self.telemetry = Telemetry(log_every)
         self._reset_step()
         internals.refuse_other_optimizers(self, GIFT)
         weakref.finalize(self, self.statistics.remove_hooks)
@@ -142,9 +158,10 @@ class GIFT(Compressor):
         self._bind(internals.calling_optimizer(self))
         t0 = time.perf_counter()
         try:
-            return self._compress(tensor)
+            with record_function("horovod_gift.compress"):
+                return self._compress(tensor)
         finally:
-            self._counters["seconds_in_gift"] += time.perf_counter() - t0
+            self.telemetry.add(seconds_in_gift=time.perf_counter() - t0)
 
     def decompress(self, tensor=None, ctx=None):
         _check_instance(self)
@@ -152,9 +169,10 @@ class GIFT(Compressor):
             return tensor
         t0 = time.perf_counter()
         try:
-            return self._decompress(tensor, ctx)
+            with record_function("horovod_gift.decompress"):
+                return self._decompress(tensor, ctx)
         finally:
-            self._counters["seconds_in_gift"] += time.perf_counter() - t0
+            self.telemetry.add(seconds_in_gift=time.perf_counter() - t0)
 
     def _bind(self, optimizer):
         """Take the process set and op of the Horovod optimizer calling compress, the first time;
@@ -188,10 +206,10 @@ class GIFT(Compressor):
             self._begin_step(tensor.device)
         self._outstanding += 1
         self._sent.add(name)
-        self._counters["elements"] += tensor.numel()
-        if self._joined or name not in self.bucket_of:
-            self._counters["uncompressed_elements"] += tensor.numel()
-            self._counters["payload_bytes"] += 4 * tensor.numel()
+        self.telemetry.add(elements=tensor.numel())
+        if self._plain or name not in self.bucket_of:
+            self.telemetry.add(uncompressed_elements=tensor.numel(),
+                               payload_bytes=4 * tensor.numel())
             plain = tensor if tensor.dtype in HOROVOD_DTYPES else tensor.to(torch.float32)
             return plain, ("plain", name, tensor.dtype)
         self.plan.record(name, tensor, self.codec)
@@ -221,35 +239,54 @@ class GIFT(Compressor):
 
     # ---------------------------------------------------------------- one step
     def _reset_step(self):
-        self._in_step, self._outstanding, self._sent, self._joined = False, 0, set(), False
+        self._in_step, self._outstanding, self._sent = False, 0, set()
+        self._joined = self._plain = False   # plain: every tensor takes Horovod's fp32 path
         self._u, self._shapes, self._reductions, self._results = {}, {}, {}, {}
         self._exchanged = False
 
     def _begin_step(self, device):
         self._in_step = True
-        if self._pending_residuals is not None:
-            self._load_residuals(self._pending_residuals)
+        if self._pending_rank_state is not False:
+            self._load_rank_state(self._pending_rank_state)
         self._joined = not self._roll_call(device)
         if self._joined:                # every tensor takes Horovod's fp32 path; nothing else runs
-            self._counters["joined_steps"] += 1
+            self.telemetry.add(joined_steps=1)
+            self._plain = True
             self.statistics.advance()
             return
         if self._verify:
             self._check_ranks_agree()
             self._verify = False
+        # warm-up: Horovod's fp32 path, while the statistics gather (the factors are ready when
+        # compression starts, and the residuals start at zero then)
+        self._plain = self.step < self.start_step
+        self.telemetry.add(warmup_steps=int(self._plain))
+        self._follow_grad_scaler()
         # "auto" judges the candidates on refresh steps (factors from earlier batches only, as on
         # the steps that follow); step 0 has no earlier batch
-        self.plan.evaluating = self.step >= 1 and self.statistics.due(self.step)
+        self.plan.evaluating = (not self._plain and self.step >= 1
+                                and self.statistics.due(self.step))
         if self.statistics.due(self.step):
-            self._fold_second_stage_residuals()            # factors change this step
-            changed = self.statistics.refresh()
-            for name, old_factors in changed.items():
-                self._convert_residual(
-                    name, lambda u, n=name, f=old_factors: self.plan.inverse(n, u, factors=f))
+            with record_function("horovod_gift.refresh"):
+                self._fold_second_stage_residuals()            # factors change this step
+                changed = self.statistics.refresh()
+                for name, old_factors in changed.items():
+                    self._convert_residual(
+                        name, lambda u, n=name, f=old_factors: self.plan.inverse(n, u, factors=f))
         self.statistics.advance()
         if self.step == 0 and self.verbose and hvd.rank() == 0:
-            print(f"[horovod-gift] {self.describe()}", file=sys.stderr, flush=True)
+            logger.info("%s", self.describe())
 
+    def _follow_grad_scaler(self):
+        """The residuals hold gradients in the GradScaler's units: when its scale changes (growth,
+        or backoff after a step it skipped), rescale them with it. Every rank reads the same
+        scale: the scaler judges the averaged gradients, identical on every rank."""
+        if self.grad_scaler is None:
+            return
+        scale = float(self.grad_scaler.get_scale())
+        if self.feedback and self._scale is not None and scale != self._scale:
+            self.feedback.rescale(scale / self._scale)
+        self._scale = scale
     def _roll_call(self, device):
         """Whether every rank of the process set is in this step. A rank that has called
         hvd.join() contributes zeros to allreduces, the only collective Horovod's join supports
@@ -278,7 +315,7 @@ class GIFT(Compressor):
             reduction.residual2 = self.feedback.second_stage(bucket, reduction.owned,
                                                              flats[0].device)
         self._reductions[bucket] = reduction.start()
-        self._counters["payload_bytes"] += sum(self.codec.payload_bytes(f.numel()) for f in flats)
+        self.telemetry.add(payload_bytes=sum(self.codec.payload_bytes(f.numel()) for f in flats))
 
     def _zeros(self, name, dtype):
         """A flat zero tensor of a parameter's size on that parameter's device."""
@@ -305,8 +342,8 @@ class GIFT(Compressor):
             # decompress returns
             results = reduction.finish(over_inputs=True)
             self._results[bucket] = dict(zip(self.buckets[bucket], results))
-            self._counters["bytes_sent"] += reduction.bytes_sent
-            self._counters["wait_seconds"] += reduction.wait_seconds
+            self.telemetry.add(bytes_sent=reduction.bytes_sent,
+                               wait_seconds=reduction.wait_seconds)
             if self.feedback:
                 self.feedback.scrub((reduction.residual1 or []) + [reduction.residual2])
         shape, dtype = self._shapes[name]
@@ -316,9 +353,12 @@ class GIFT(Compressor):
     def _end_step(self):
         self._average_unhooked()
         if self.plan.evaluating and not self._joined:
-            self._fold_second_stage_residuals()
-            self.plan.finish_vote(self._convert_residual)
+            with record_function("horovod_gift.vote"):
+                self._fold_second_stage_residuals()
+                self.plan.finish_vote(self._convert_residual)
         self.step += 1
+        self.telemetry.end_step(self.step, lambda: self.plan.counts(self.bucket_of),
+                                hvd.rank() == 0)
         self.plan.end_step()
         self._reset_step()
 
@@ -331,8 +371,8 @@ class GIFT(Compressor):
         if not late:
             return
         if late != self._late_reported and self.verbose and hvd.rank() == 0:
-            print("[horovod-gift] parameters trainable since the optimizer was wrapped, reduced in "
-                  f"fp32 by GIFT: {', '.join(late)}", file=sys.stderr, flush=True)
+            logger.warning("parameters trainable since the optimizer was wrapped, reduced in fp32 "
+                           "by GIFT: %s", ", ".join(late))
         self._late_reported = late
         grads = []
         for n in late:
@@ -386,18 +426,37 @@ class GIFT(Compressor):
                     stat_window=self.statistics.window, whitening_rank=self.statistics.rank,
                     damping=self.statistics.damping,
                     nonfinite=self.nonfinite, residual_dtype=str(self.residual_dtype),
+                    start_step=self.start_step,
                     model=_fingerprint((self.buckets, shapes)))
 
-    def _load_residuals(self, ranks):
-        self._pending_residuals = None
-        if len(ranks) != self.process_set.size():
-            raise ValueError(f"GIFT.load_state_dict: saved on {len(ranks)} ranks, running "
-                             f"on {self.process_set.size()}: residuals cannot be mapped")
-        mine = ranks[self.process_set.rank()]
-        self.statistics.load_local_state_dict(mine["statistics"])
+    def _load_rank_state(self, saved):
+        """This rank's residuals and statistics histories, if they were saved on a job of this
+        size by this rank; otherwise they restart at zero (with a warning)."""
+        self._pending_rank_state = False
+        n, me = self.process_set.size(), self.process_set.rank()
+        if saved is None or (saved["ranks"], saved["rank"]) != (n, me):
+            self.reset_rank_state()
+            why = ("it has no per-rank state" if saved is None else
+                   f"it was saved by rank {saved['rank']} of {saved['ranks']}, "
+                   f"this is rank {me} of {n}")
+            # every rank is in the same case unless only the rank differs: one warning then
+            if me == 0 or (saved is not None and saved["ranks"] == n):
+                logger.warning("GIFT.load_state_dict: %s; error-feedback residuals and statistics "
+                               "histories restart at zero (the rest is kept)", why)
+            return
+        self.statistics.load_local_state_dict(saved["statistics"])
         if self.feedback:
-            self.feedback.load_state_dict(mine["feedback"],
+            self.feedback.load_state_dict(saved["feedback"],
                                           lambda k: self.params[self.buckets[k][0]].device)
+
+    def reset_rank_state(self):
+        """Forget what belongs to this rank in this job (error-feedback residuals, statistics
+        histories, the GradScaler scale they are in) and check the ranks agree at the next step:
+        call it on every rank when the number of ranks changes (hvd.elastic's on_state_reset)."""
+        if self.feedback:
+            self.feedback = ErrorFeedback(self.params, self.residual_dtype)
+        self.statistics.load_local_state_dict({})
+        self._scale, self._verify = None, True
 
     def _check_ranks_agree(self):
         """Collective, at the first step and the first after load_state_dict: every rank raises
@@ -426,32 +485,34 @@ class GIFT(Compressor):
         """Cumulative counters of this rank: steps, gradient elements, bytes this rank sent through
         the quantized path, bits per gradient element of what it encoded (uncompressed tensors at
         32), seconds spent in the codec, seconds waiting for the network inside GIFT, and steps
-        that took the fp32 path because a rank had called hvd.join()."""
-        c = dict(self._counters, steps=self.step)
-        # transforms, encode, decode, sums
-        c["codec_seconds"] = c["seconds_in_gift"] - c["wait_seconds"]
-        c["bits_per_element"] = 8.0 * c["payload_bytes"] / c["elements"] if c["elements"] else 0.0
-        c["plans"] = self.plan.counts(self.bucket_of)
-        return c
+        that took the fp32 path because a rank had called hvd.join() or GIFT was warming up."""
+        return self.telemetry.stats(self.step, self.plan.counts(self.bucket_of))
 
-    def state_dict(self):
-        """Residuals and statistics histories of every rank, whitening statistics and factors,
-        transform choices.
-        Collective: call it on every rank (it gathers the per-rank residuals); save it from any
-        one rank."""
-        local = {"feedback": (self.feedback or ErrorFeedback(self.params)).state_dict(),
-                 "statistics": self.statistics.local_state_dict()}
-        everyone = allgather_object(local, "gift.state_dict", self.process_set)
-        return {"step": self.step, "config": self.config(), "ranks": everyone,
-                "statistics": self.statistics.state_dict(), "plan": self.plan.state_dict()}
+    def state_dict(self, rank_state=True):
+        """The shared state (step, configuration, whitening statistics and factors, transform
+        choices) and, unless rank_state=False, this rank's own (error-feedback residuals and
+        statistics histories, 1 + 1/n elements per parameter element, with the rank and the
+        number of ranks). Not collective. To resume bit for bit, every rank saves its own (one
+        file per rank); the shared part alone resumes on any number of ranks, residuals at zero."""
+        state = {"step": self.step, "config": self.config(),
+                 "statistics": self.statistics.state_dict(), "plan": self.plan.state_dict(),
+                 "rank_state": None}
+        if rank_state:
+            state["rank_state"] = {
+                "rank": self.process_set.rank(), "ranks": self.process_set.size(),
+                "feedback": (self.feedback or ErrorFeedback(self.params)).state_dict(),
+                "statistics": self.statistics.local_state_dict()}
+        return state
 
     def load_state_dict(self, state):
+        """Load a state_dict(): the shared part always; the per-rank part if this rank saved it in
+        a job of this size, else the residuals restart at zero with one warning."""
         if state["config"] != self.config():
             raise ValueError(f"GIFT.load_state_dict: saved with {state['config']}, "
                              f"this GIFT is {self.config()}")
-        self._pending_residuals = state["ranks"]
+        self._pending_rank_state = state["rank_state"]
         if self._optimizer is not None or self.requested_process_set is not None:
-            self._load_residuals(state["ranks"])    # else at the first step, once it is known
+            self._load_rank_state(state["rank_state"])   # else at the first step, once known
         self.step = state["step"]
         self.statistics.load_state_dict(state["statistics"])
         self.plan.load_state_dict(state["plan"])

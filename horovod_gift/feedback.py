@@ -67,6 +67,12 @@ class ErrorFeedback:
                 offset += hi - lo
             r2.zero_()
 
+    def rescale(self, factor):
+        """Multiply every residual by factor (the gradients' units changed: a GradScaler's
+        scale)."""
+        for r in self.tensors():
+            r.mul_(factor)
+
     def convert(self, name, old_inverse, new_forward):
         """Re-express r1 of `name` in new coordinates, in place: r1 <- F_new(F_old^-1(r1))."""
         if name in self.stage1:

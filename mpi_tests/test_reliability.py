@@ -179,7 +179,7 @@ def test_compressor_state_loaded_on_one_rank_only_raises_everywhere():
     compression = gift.GIFT(model, format="fp8_e4m3", verbose=False)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
                                    compression=compression)
-    saved = dict(compression.state_dict(), step=7)      # collective: every rank saves, rank 0 alone loads
+    saved = dict(compression.state_dict(), step=7)      # every rank saves, rank 0 alone loads
     if hvd.rank() == 0:
         compression.load_state_dict(saved)
     x, y = batch(0, hvd.rank())

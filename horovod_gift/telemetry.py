@@ -1,0 +1,61 @@
+"""What GIFT tells its user: cumulative counters (GIFT.stats()), a log line every `log_every` steps
+on rank 0 through the "horovod_gift" logger, and ranges in the PyTorch profiler.
+
+Messages go through logging.getLogger("horovod_gift"), as a library's should: they are shown
+once the application configures logging (e.g. logging.basicConfig(level=logging.INFO)).
+Profiler ranges (torch.profiler.record_function) are named PROFILER_RANGES: the compress and
+decompress calls Horovod makes, the statistics refresh and the "auto" vote; they sit inside
+Horovod's own timeline ranges for the same tensors.
+"""
+
+import logging
+import time
+
+logger = logging.getLogger("horovod_gift")
+
+PROFILER_RANGES = ("horovod_gift.compress", "horovod_gift.decompress", "horovod_gift.refresh",
+                   "horovod_gift.vote")
+COUNTERS = ("elements", "bytes_sent", "payload_bytes", "uncompressed_elements", "seconds_in_gift",
+            "wait_seconds", "joined_steps", "warmup_steps")
+
+
+class Telemetry:
+    """Counters of this rank since the start, and the periodic log line."""
+
+    def __init__(self, log_every=0):
+        if not isinstance(log_every, int) or log_every < 0:
+            raise ValueError(f"GIFT: log_every must be a non-negative int, got {log_every!r}")
+        self.log_every = log_every
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self._last = dict(self.counters, steps=0, time=time.perf_counter())
+
+    def add(self, **amounts):
+        for key, amount in amounts.items():
+            self.counters[key] += amount
+
+    def stats(self, steps, plans):
+        c = dict(self.counters, steps=steps)
+        # transforms, encode, decode, sums
+        c["codec_seconds"] = c["seconds_in_gift"] - c["wait_seconds"]
+        c["bits_per_element"] = 8.0 * c["payload_bytes"] / c["elements"] if c["elements"] else 0.0
+        c["plans"] = plans
+        return c
+
+    def end_step(self, steps, plans, is_rank0):
+        """One INFO line on rank 0 every log_every steps: the averages since the last line (plans:
+        a callable giving the transforms' counts, called only then)."""
+        if not (self.log_every and is_rank0 and steps % self.log_every == 0):
+            return
+        now, last, c = time.perf_counter(), self._last, self.counters
+        n = steps - last["steps"]
+        elements = c["elements"] - last["elements"]
+        payload = c["payload_bytes"] - last["payload_bytes"]
+        wait = (c["wait_seconds"] - last["wait_seconds"]) / n
+        codec = (c["seconds_in_gift"] - last["seconds_in_gift"]) / n - wait
+        plan_text = ", ".join(f"{v} {k}" for k, v in sorted(plans().items()))
+        logger.info("step %d: %.2f bits/element, %.3g MB sent/step, codec %.4f s/step, wait %.4f "
+                    "s/step, %.3f s/step in all; tensors: %s", steps,
+                    8.0 * payload / elements if elements else 0.0,
+                    (c["bytes_sent"] - last["bytes_sent"]) / n / 1e6, codec, wait,
+                    (now - last["time"]) / n, plan_text)
+        self._last = dict(c, steps=steps, time=now)
