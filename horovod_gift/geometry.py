@@ -8,7 +8,7 @@ InputWhitening: the K-FAC input-side factor of an nn.Linear. With A = E[x x^T] o
 input activations, (U_r, Lam_r) its top r eigenpairs and the damping delta = damping * tr(A) / in
 (relative to the activations' mean energy per feature, so one value suits every layer and scale),
 u = G S^{-T} for a square root S S^T = A_hat. Any S whitens the activations, but the quantizer is
-not rotation-invariant, so the choice of S matters (benchmarks/results/fidelity.md):
+not rotation-invariant, so the choice of S can matter (benchmarks/results/fidelity.md):
 
 - sqrt="isotropic" (the default): A_hat = U_r Lam_r U_r^T + sigma (I - U_r U_r^T) + delta I, the
   rest of the spectrum replaced by its mean sigma = (tr(A) - sum Lam_r) / (in - r). Its symmetric
@@ -20,7 +20,8 @@ not rotation-invariant, so the choice of S matters (benchmarks/results/fidelity.
 - sqrt="diagonal": A_hat = U_r Lam_r U_r^T + D, D = max(diag(A - U_r Lam_r U_r^T), 0) + delta,
   and S = D^{1/2} X^{1/2} with X = I + V Lam_r V^T, V = D^{-1/2} U_r. With V = Q R (thin QR) and
   R Lam_r R^T = W Sig W^T, X^{+-1/2} = I + P diag(c+-) P^T, P = Q W, c+- = (1 + Sig)^{+-1/2} - 1.
-  Not symmetric: 1.2-1.4x less gain than "isotropic" with lagged statistics (fidelity.md).
+  Not symmetric. At the default damping it measures within 2 % of "isotropic" (fidelity.md:
+  the damping and the statistics' age decide the gain, the root much less).
 Both are applied as  forward: u = (G / d) (I + P diag(c-) P^T),  inverse: G = (u (I + P diag(c+)
 P^T)) d, with d = D^{1/2} (a constant s^{1/2} for "isotropic"): O(out * in * r) each.
 A is kept as a Nystrom sketch (statistic="sketch", the default: O(in * (r + oversampling)) memory,
