@@ -20,17 +20,19 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# arm -> (train_llama --compression, error feedback)
-ARMS = {"fp32": ("none", True), "fp16": ("fp16", True),
-        "nvfp4 no-EF": ("nvfp4", False), "gift-nvfp4 no-EF": ("gift-nvfp4", False),
-        "nvfp4 EF": ("nvfp4", True), "gift-nvfp4 EF": ("gift-nvfp4", True)}
+# arm -> (train_llama --compression, error feedback, GIFT's start_step)
+ARMS = {"fp32": ("none", True, 0), "fp16": ("fp16", True, 0),
+        "nvfp4 no-EF": ("nvfp4", False, 0), "gift-nvfp4 no-EF": ("gift-nvfp4", False, 0),
+        "nvfp4 EF": ("nvfp4", True, 0), "gift-nvfp4 EF": ("gift-nvfp4", True, 0),
+        "gift-nvfp4 EF warm-up 50": ("gift-nvfp4", True, 50)}
+DEFAULT_ARMS = [arm for arm in ARMS if "warm-up" not in arm]
 # two-sided 95 % quantiles of Student's t by degrees of freedom
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
         9: 2.262, 10: 2.228, 15: 2.131, 20: 2.086}
 
 
 def run(arm, seed, args, out_dir):
-    compression, error_feedback = ARMS[arm]
+    compression, error_feedback, start_step = ARMS[arm]
     tag = f"{arm.replace(' ', '_')}-s{seed}"
     csv_path = out_dir / f"{tag}.csv"
     if not csv_path.exists():
@@ -43,6 +45,8 @@ def run(arm, seed, args, out_dir):
                    "--gradient-error", "--quiet", "--csv", str(csv_path)]
         if not error_feedback:
             command.append("--no-error-feedback")
+        if start_step:
+            command += ["--start-step", str(start_step)]
         t0 = time.perf_counter()
         with open(out_dir / f"{tag}.log", "w") as log:
             subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -110,7 +114,7 @@ def main():
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--eval-batches", type=int, default=16)
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    p.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "convergence.md"))
     args = p.parse_args()
     regime = f"d{args.dim}-l{args.layers}-lr{args.lr}-n{args.steps}"
@@ -149,7 +153,8 @@ def main():
         lines.append(f"| {arm} | {mean_final:.4f} | {diff} | {sum(grad) / len(grad):.2e} | "
                      f"{results[(arm, args.seeds[0])]['bits']:.2f} | {step_time:.3f} |")
     pairs = [("gift-nvfp4 no-EF", "nvfp4 no-EF"), ("gift-nvfp4 EF", "nvfp4 EF"),
-             ("nvfp4 EF", "nvfp4 no-EF")]
+             ("nvfp4 EF", "nvfp4 no-EF"), ("gift-nvfp4 EF", "gift-nvfp4 no-EF"),
+             ("gift-nvfp4 EF warm-up 50", "gift-nvfp4 EF")]
     lines += ["", "Paired differences between compressed arms (held-out loss, 95 % CI):", ""]
     for a, b in pairs:
         if a in args.arms and b in args.arms:

@@ -29,7 +29,8 @@ COMPRESSIONS = {"none": None, "fp16": None, "fp8": ("fp8_e4m3", "none"), "nvfp4"
                 "gift-fp8": ("fp8_e4m3", None), "gift-nvfp4": ("nvfp4", None)}
 
 
-def make_compression(name, model, bucket_elements=1 << 22, error_feedback=True, log_every=0):
+def make_compression(name, model, bucket_elements=1 << 22, error_feedback=True, log_every=0,
+                     start_step=0):
     if name == "none":
         return hvd.Compression.none, None
     if name == "fp16":
@@ -37,7 +38,8 @@ def make_compression(name, model, bucket_elements=1 << 22, error_feedback=True, 
     format, transform = COMPRESSIONS[name]
     options = {} if transform is None else {"transform": transform}
     compressor = gift.GIFT(model, format=format, bucket_elements=bucket_elements,
-                           error_feedback=error_feedback, log_every=log_every, **options)
+                           error_feedback=error_feedback, log_every=log_every,
+                           start_step=start_step, **options)
     return compressor, compressor
 
 
@@ -61,6 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--no-error-feedback", action="store_true", help="GIFT without error feedback")
     p.add_argument("--log-every", type=int, default=0, help="GIFT logs a line every N steps on rank 0")
+    p.add_argument("--start-step", type=int, default=0, help="GIFT's warm-up: fp32 before this step")
     p.add_argument("--eval-every", type=int, default=0,
                    help="held-out loss every N steps (and at the end) on --eval-batches fixed batches")
     p.add_argument("--eval-batches", type=int, default=8)
@@ -87,7 +90,8 @@ def main(argv=None):
                       hidden_dim=(8 * args.dim // 3 + 7) // 8 * 8, max_seq_len=args.seq_len)
     model = Llama(cfg).to(device)
     compression, compressor = make_compression(args.compression, model, args.bucket_elements,
-                                               not args.no_error_feedback, args.log_every)
+                                               not args.no_error_feedback, args.log_every,
+                                               args.start_step)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     # wrap first: DistributedOptimizer builds a new optimizer object, which would drop loaded state
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compression)
@@ -259,12 +263,15 @@ def rank_state_path(path, rank):
 
 
 def load_compressor(compressor, path, ckpt):
-    """This rank's saved GIFT state if there is one, else the shared state in the checkpoint."""
+    """This rank's saved GIFT state if there is one from the same save (a file left by an earlier,
+    larger job is not), else the shared state in the checkpoint."""
     mine = rank_state_path(path, hvd.rank())
     if os.path.exists(mine):
-        compressor.load_state_dict(torch.load(mine, map_location="cpu", weights_only=False))
-    else:
-        compressor.load_state_dict(ckpt["compressor"])
+        state = torch.load(mine, map_location="cpu", weights_only=False)
+        if state["step"] == ckpt["step"]:
+            compressor.load_state_dict(state)
+            return
+    compressor.load_state_dict(ckpt["compressor"])
 
 
 if __name__ == "__main__":

@@ -105,6 +105,12 @@ class GIFT(Compressor):
             raise ValueError(f"GIFT: unknown transform {transform!r}; expected one of {TRANSFORMS}")
         if nonfinite not in ("nan", "raise"):
             raise ValueError(f"GIFT: nonfinite must be 'nan' or 'raise', got {nonfinite!r}")
+        for what, value, low in (("refresh_every", refresh_every, 1), ("stat_window", stat_window, 1),
+                                 ("whitening_rank", whitening_rank, 1)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"GIFT: {what} must be an int >= {low}, got {value!r}")
+        if not damping > 0:
+            raise ValueError(f"GIFT: damping must be positive, got {damping!r}")
         if not isinstance(start_step, int) or start_step < 0:
             raise ValueError(f"GIFT: start_step must be a non-negative int, got {start_step!r}")
         if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
@@ -274,7 +280,7 @@ class GIFT(Compressor):
                     self._convert_residual(
                         name, lambda u, n=name, f=old_factors: self.plan.inverse(n, u, factors=f))
         self.statistics.advance()
-        if self.step == 0 and self.verbose and hvd.rank() == 0:
+        if self.step == 0 and self.verbose and self.process_set.rank() == 0:
             logger.info("%s", self.describe())
 
     def _follow_grad_scaler(self):
@@ -358,7 +364,7 @@ class GIFT(Compressor):
                 self.plan.finish_vote(self._convert_residual)
         self.step += 1
         self.telemetry.end_step(self.step, lambda: self.plan.counts(self.bucket_of),
-                                hvd.rank() == 0)
+                                self.process_set.rank() == 0)
         self.plan.end_step()
         self._reset_step()
 
@@ -445,6 +451,7 @@ class GIFT(Compressor):
                                "histories restart at zero (the rest is kept)", why)
             return
         self.statistics.load_local_state_dict(saved["statistics"])
+        self._scale = saved["grad_scale"]
         if self.feedback:
             self.feedback.load_state_dict(saved["feedback"],
                                           lambda k: self.params[self.buckets[k][0]].device)
@@ -457,6 +464,7 @@ class GIFT(Compressor):
             self.feedback = ErrorFeedback(self.params, self.residual_dtype)
         self.statistics.load_local_state_dict({})
         self._scale, self._verify = None, True
+        self.telemetry.restart(self.step)
 
     def _check_ranks_agree(self):
         """Collective, at the first step and the first after load_state_dict: every rank raises
@@ -497,11 +505,14 @@ class GIFT(Compressor):
         state = {"step": self.step, "config": self.config(),
                  "statistics": self.statistics.state_dict(), "plan": self.plan.state_dict(),
                  "rank_state": None}
-        if rank_state:
+        if rank_state and self._pending_rank_state is not False:
+            state["rank_state"] = self._pending_rank_state   # loaded, not applied yet
+        elif rank_state:
             state["rank_state"] = {
                 "rank": self.process_set.rank(), "ranks": self.process_set.size(),
                 "feedback": (self.feedback or ErrorFeedback(self.params)).state_dict(),
-                "statistics": self.statistics.local_state_dict()}
+                "statistics": self.statistics.local_state_dict(),
+                "grad_scale": self._scale}          # the residuals' units
         return state
 
     def load_state_dict(self, state):
@@ -517,6 +528,7 @@ class GIFT(Compressor):
         self.statistics.load_state_dict(state["statistics"])
         self.plan.load_state_dict(state["plan"])
         self._verify = True
+        self.telemetry.restart(self.step)
         self._reset_step()
 
 

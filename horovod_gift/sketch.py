@@ -55,7 +55,7 @@ OVERSAMPLING = 20       # l = rank + OVERSAMPLING columns (module docstring)
 SHIFT_ATTEMPTS = 8      # nu, 10 nu, ..., 10^7 nu
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=64)     # one per (input width, device): models have a few
 def sketching_matrix(in_features, columns, seed, device):
     """Omega: in_features x columns, orthonormal columns (the Q of a standard Gaussian matrix drawn
     on the CPU from `seed`, so identical on every rank), fp32 on `device`. Orthonormal columns make

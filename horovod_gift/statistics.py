@@ -171,7 +171,14 @@ class WhiteningStatistics:
         for i, (owner, handle) in enumerate(zip(owners, reductions)):
             sums = hvd.synchronize(handle)
             tokens, w = float(sums[-1]), self.whitening[owner]
-            if tokens == 0 or not torch.isfinite(sums).all():      # identical verdict on every rank
+            if tokens == 0:
+                continue
+            if not torch.isfinite(sums).all():      # identical verdict on every rank
+                # a non-finite activation would stay in the history for good: start it afresh
+                self._history.pop(owner, None)
+                logging.getLogger("horovod_gift").warning(
+                    "whitening statistics of %s were not finite; they restart from the next step "
+                    "(the factors stay as they were)", owner)
                 continue
             root = i % n
             w.fold(sums[:-1].div_(tokens), refresh=False)

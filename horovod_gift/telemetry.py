@@ -27,7 +27,11 @@ class Telemetry:
             raise ValueError(f"GIFT: log_every must be a non-negative int, got {log_every!r}")
         self.log_every = log_every
         self.counters = dict.fromkeys(COUNTERS, 0)
-        self._last = dict(self.counters, steps=0, time=time.perf_counter())
+        self.restart(0)
+
+    def restart(self, steps):
+        """The next log line averages from here (a loaded or reset step count)."""
+        self._last = dict(self.counters, steps=steps, time=time.perf_counter())
 
     def add(self, **amounts):
         for key, amount in amounts.items():
@@ -48,6 +52,8 @@ class Telemetry:
             return
         now, last, c = time.perf_counter(), self._last, self.counters
         n = steps - last["steps"]
+        if n <= 0:
+            return
         elements = c["elements"] - last["elements"]
         payload = c["payload_bytes"] - last["payload_bytes"]
         wait = (c["wait_seconds"] - last["wait_seconds"]) / n

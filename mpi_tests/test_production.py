@@ -151,3 +151,51 @@ def test_residuals_follow_the_grad_scalers_scale():
         errors[follows] = worst
     assert errors[True] < 0.3, errors
     assert errors[False] > 3, errors
+
+
+def test_a_resumed_run_with_a_grad_scaler_continues_bit_for_bit():
+    """Saved right after the scale changed: the residuals' scale travels with them, so the
+    resumed run rescales them as the uninterrupted one did."""
+    def make():
+        model = TinyLM()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+        compression = gift.GIFT(model, format="nvfp4", verbose=False, grad_scaler=scaler)
+        return model, scaler, compression, wrapped(model, compression)
+
+    def scaled_step(model, scaler, opt, k):
+        opt.zero_grad()
+        scaler.scale(loss_of(model, k)).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        grads = [p.grad.detach().clone() for p in model.parameters()]
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update(new_scale=2.0 ** 10 if k == 3 else None)
+        return grads
+
+    model, scaler, compression, opt = make()
+    straight = [scaled_step(model, scaler, opt, k) for k in range(6)][4:]
+    model, scaler, compression, opt = make()
+    for k in range(4):
+        scaled_step(model, scaler, opt, k)
+    saved = {"model": {n: t.clone() for n, t in model.state_dict().items()},
+             "optimizer": opt.state_dict(), "scaler": scaler.state_dict(),
+             "compressor": compression.state_dict()}
+    model, scaler, compression, opt = make()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    scaler.load_state_dict(saved["scaler"])
+    compression.load_state_dict(saved["compressor"])
+    # saved again before any step: the loaded per-rank state, not the empty live one
+    assert compression.state_dict()["rank_state"] is saved["compressor"]["rank_state"]
+    resumed = [scaled_step(model, scaler, opt, k) for k in (4, 5)]
+    for a, b in zip(straight, resumed):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), "resumed run differs"
+
+
+@pytest.mark.parametrize("argument,value", [("refresh_every", 0), ("stat_window", 0),
+                                            ("damping", 0.0), ("start_step", -1),
+                                            ("log_every", -2), ("grad_scaler", object())])
+def test_bad_arguments_are_refused_by_name(argument, value):
+    with pytest.raises((ValueError, TypeError), match=argument):
+        gift.GIFT(TinyLM(), **{argument: value})

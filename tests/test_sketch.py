@@ -364,3 +364,24 @@ def test_factors_that_cannot_be_computed_raise_on_every_rank(horovod, monkeypatc
     statistics_step(model, stats, torch.randn(4, 6, 32))        # no earlier step: no factors
     with pytest.raises(FloatingPointError, match="could not be computed"):
         statistics_step(model, stats, torch.randn(4, 6, 32))
+
+
+def test_a_non_finite_step_does_not_stop_later_refreshes(horovod, caplog):
+    """An inf in one step's activations (fp16 overflow) would stay in the EMA history for good:
+    that refresh is skipped with a warning, the history restarts, and later refreshes work."""
+    model = SharedInputs()
+    stats = statistics_of(model)
+    statistics_step(model, stats, torch.randn(4, 6, 32))
+    bad = torch.randn(4, 6, 32)
+    bad[0, 0, 0] = float("inf")
+    statistics_step(model, stats, bad)
+    before = {k: v.clone() for k, v in stats.whitening["o.weight"].factors.items()}
+    with caplog.at_level("WARNING", logger="horovod_gift"):
+        changed = statistics_step(model, stats, torch.randn(4, 6, 32))
+    assert "o.weight" not in changed and "not finite" in caplog.text
+    after = stats.whitening["o.weight"].factors
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    changed = statistics_step(model, stats, torch.randn(4, 6, 32))
+    assert "o.weight" in changed, "refreshes stopped after one non-finite step"
+    assert all(torch.isfinite(f).all() for f in stats.whitening["o.weight"].factors.values())
+    stats.remove_hooks()
