@@ -105,10 +105,10 @@ class GIFT(Compressor):
             raise ValueError(f"GIFT: unknown transform {transform!r}; expected one of {TRANSFORMS}")
         if nonfinite not in ("nan", "raise"):
             raise ValueError(f"GIFT: nonfinite must be 'nan' or 'raise', got {nonfinite!r}")
-        for what, value, low in (("refresh_every", refresh_every, 1), ("stat_window", stat_window, 1),
-                                 ("whitening_rank", whitening_rank, 1)):
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"GIFT: {what} must be an int >= {low}, got {value!r}")
+        for what, value in (("refresh_every", refresh_every), ("stat_window", stat_window),
+                            ("whitening_rank", whitening_rank)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GIFT: {what} must be a positive int, got {value!r}")
         if not damping > 0:
             raise ValueError(f"GIFT: damping must be positive, got {damping!r}")
         if not isinstance(start_step, int) or start_step < 0:
