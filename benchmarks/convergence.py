@@ -135,7 +135,7 @@ def main():
              "over seeds of (arm - fp32) with a 95 % confidence interval (t over seeds); "
              "negative is better. Gradient RelL2: ||averaged gradient - exact fp32 average|| / "
              "||exact||, mean over all steps and seeds. gift-* = GIFT's defaults (transform "
-             "auto); nvfp4 = the same codec and collective with transform none.", "",
+             "whiten); nvfp4 = the same codec and collective with transform none.", "",
              "| arm | held-out loss | vs fp32 (95 % CI) | gradient RelL2 | bits/element | "
              "step time (s) |", "|---|---|---|---|---|---|"]
     for arm in args.arms:

@@ -70,6 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--gradient-error", action="store_true",
                    help="log the RelL2 of each step's averaged gradient against an exact fp32 average "
                         "(one more fp32 allreduce a step: for studies)")
+    p.add_argument("--gradient-error-by-tensor", action="store_true",
+                   help="with --gradient-error: print each tensor's mean RelL2 and share of the "
+                        "gradient's energy at the end (rank 0)")
     p.add_argument("--csv", default=None, help="write per-step metrics here (rank 0)")
     p.add_argument("--checkpoint", default=None, help="save here at the end (and every --save-every steps)")
     p.add_argument("--save-every", type=int, default=0)
@@ -117,7 +120,7 @@ def main(argv=None):
         from tqdm import tqdm
         bar = tqdm(total=args.steps, initial=start_step, unit="step", dynamic_ncols=True)
     rows, losses = [], []
-    exact = ExactAverage(model) if args.gradient_error else None
+    exact = ExactAverage(model) if args.gradient_error or args.gradient_error_by_tensor else None
     tokens_per_step = args.batch_size * args.seq_len * hvd.size()
     t_start = time.perf_counter()
     for step in range(start_step, args.steps):
@@ -175,6 +178,8 @@ def main(argv=None):
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
+    if rank0 and exact is not None and args.gradient_error_by_tensor:
+        print(exact.by_tensor(), flush=True)
     if rank0 and losses:
         print(summary(args, losses, compressor, time.perf_counter() - t_start, len(losses)), flush=True)
     return losses
@@ -186,8 +191,11 @@ class ExactAverage:
     gradients Horovod leaves in .grad with an fp32 average of the copies."""
 
     def __init__(self, model):
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
         self.local = {}
+        self.sums = {}  # index -> [sum over steps of RelL2, of squared norm, steps]
         for i, p in enumerate(self.params):
             p.register_hook(lambda g, i=i: self.local.__setitem__(i, g.detach().to(torch.float32, copy=True)))
 
@@ -197,10 +205,24 @@ class ExactAverage:
                                           name="train.exact_average")
         err2 = norm2 = 0.0
         for i, ref in zip(indices, reference):
-            err2 += float((self.params[i].grad.double() - ref.double()).square().sum())
-            norm2 += float(ref.double().square().sum())
+            e = float((self.params[i].grad.double() - ref.double()).square().sum())
+            q = float(ref.double().square().sum())
+            err2, norm2 = err2 + e, norm2 + q
+            sums = self.sums.setdefault(i, [0.0, 0.0, 0])
+            sums[0] += (e / q) ** 0.5 if q else 0.0
+            sums[1] += q
+            sums[2] += 1
         self.local = {}
         return (err2 / norm2) ** 0.5 if norm2 else 0.0
+
+    def by_tensor(self):
+        """A markdown table: each tensor's RelL2 (mean over steps) and share of the energy."""
+        total = sum(s[1] for s in self.sums.values()) or 1.0
+        lines = ["| tensor | gradient RelL2 | share of energy |", "|---|---|---|"]
+        for i in sorted(self.sums):
+            rel, energy, steps = self.sums[i]
+            lines.append(f"| {self.names[i]} | {rel / steps:.3e} | {energy / total:.3f} |")
+        return "\n".join(lines)
 
 
 def heldout_loss(model, batches, args, device, autocast):
