@@ -15,6 +15,7 @@ import csv
 import math
 import os
 import pathlib
+import shlex
 import subprocess
 import sys
 import time
@@ -126,7 +127,7 @@ def main():
             results[(arm, seed)] = run(arm, seed, args, out_dir)
     base = "fp32"
     lines = [f"# Convergence, paired over seeds ({time.strftime('%Y-%m-%d')})", "",
-             "Command: `.venv/bin/python benchmarks/convergence.py " + " ".join(sys.argv[1:]) + "`",
+             "Command: `.venv/bin/python benchmarks/convergence.py " + shlex.join(sys.argv[1:]) + "`",
              "", f"examples/train_llama.py, dim {args.dim}, {args.layers} layers, {args.steps} "
              f"steps, AdamW lr {args.lr} (20 warm-up steps), {args.ranks} ranks on one 2-core "
              f"machine, batch 16 x 128 bytes per rank; seeds {args.seeds} (each: initialization "
