@@ -28,15 +28,10 @@ logic on the CPU (the Triton interpreter as the device; small sizes, timings mea
 import argparse
 import contextlib
 import math
-import os
 import sys
 import time
 import traceback
 import types
-
-# The CPU reference runs the torch path eagerly: on pieces of >= 2**16 elements it would first
-# torch.compile dozens of graphs. tests/test_compiled.py checks compiled against eager.
-os.environ.setdefault("HOROVOD_GIFT_COMPILE", "0")
 
 import torch  # noqa: E402
 import triton  # noqa: E402

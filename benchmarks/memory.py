@@ -127,7 +127,7 @@ def launch(arm, args):
     command = ["bash", str(ROOT / "scripts/mpirun.sh"), str(args.np), sys.executable, __file__,
                "--worker", arm] + [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                                    if k in ("dim", "hidden", "layers", "batch", "seq_len")]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HOROVOD_GIFT_COMPILE="0")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:

@@ -1,9 +1,10 @@
 """Which implementation runs the codec, and the names the public API accepts.
 
-CUDA tensors run the compiled Triton kernels; CPU tensors run the vectorized torch path (the
-Triton interpreter is 100-1000x slower). `HOROVOD_GIFT_KERNELS=triton` or `use_kernels("triton")`
-forces the kernels for every tensor (tests run them in the interpreter with TRITON_INTERPRET=1);
-`"torch"` forces the torch path.
+CUDA tensors run the compiled Triton kernels; CPU tensors run the native kernels (numba,
+kernels/native.py; the Triton interpreter is 100-1000x slower). `HOROVOD_GIFT_KERNELS=triton` or
+`use_kernels("triton")` forces the Triton kernels for every tensor (tests run them in the
+interpreter with TRITON_INTERPRET=1); `"native"` the native kernels for CPU tensors; `"torch"`
+the plain-torch references, which every other implementation matches bit for bit.
 """
 
 import contextlib
@@ -11,7 +12,7 @@ import os
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2", "nvfp4")
 ROUNDINGS = ("nearest", "stochastic")
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "native", "torch")
 
 _backend = os.environ.get("HOROVOD_GIFT_KERNELS", "auto")
 if _backend not in BACKENDS:
@@ -22,9 +23,13 @@ def runs_triton(tensor):
     return _backend == "triton" or (_backend == "auto" and tensor.is_cuda)
 
 
+def runs_native(tensor):
+    return _backend in ("auto", "native") and tensor.device.type == "cpu"
+
+
 @contextlib.contextmanager
 def use_kernels(backend="triton"):
-    """Run the codec with `backend` ("auto", "triton" or "torch") inside the block."""
+    """Run the codec with `backend` ("auto", "triton", "native" or "torch") inside the block."""
     global _backend
     if backend not in BACKENDS:
         raise ValueError(f"use_kernels({backend!r}): expected one of {BACKENDS}")

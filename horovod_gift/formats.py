@@ -8,25 +8,22 @@ decodes to NaN (so loss scalers see it), or encode raises with nonfinite="raise"
 """
 
 import functools
-import os
 import threading
-import types
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from horovod_gift.kernels import fp8, fused, nvfp4
+from horovod_gift.kernels import fp8, fused, native, nvfp4
 from horovod_gift.kernels.hadamard import (
     LANES,
-    hadamard_blocks_torch,
     hadamard_torch,
     hadamard_triton,
     random_signs_torch,
+    segments,
 )
-from horovod_gift.kernels.rounding import eager
 
-from .config import check_codec, runs_triton
+from .config import check_codec, runs_native, runs_triton
 
 
 @dataclass(frozen=True)
@@ -65,76 +62,11 @@ def _flat_fp32(x, name):
     return x.detach().reshape(-1).to(torch.float32).contiguous()
 
 
-# On CPU tensors of at least this many elements the torch path runs under torch.compile, whose
-# Inductor backend fuses it into vectorized C++ (5-10x faster than eager). The first call of each
-# variant compiles (seconds; cached on disk); HOROVOD_GIFT_COMPILE=0 turns it off.
-COMPILE_MIN_ELEMENTS = 1 << 16
-COMPILE = os.environ.get("HOROVOD_GIFT_COMPILE", "1") != "0"
-
-
-@functools.cache
-def compiled(fn, *constants):
-    """fn(*tensors, *constants) under torch.compile, one graph per set of constants. The constants
-    are closed over and the tensors' sizes marked dynamic: Inductor then sees block sizes as fixed
-    and vectorizes over them (with dynamic=True they become symbolic and the code runs 7x
-    slower)."""
-    import torch._dynamo
-
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-
-    def run(*tensors):
-        return fn(*tensors, *constants)
-
-    # A code object of its own per graph: Dynamo keeps what it learned about dynamic values per code
-    # object (and name), and a block size seen to change across graphs would turn symbolic.
-    name = f"{fn.__name__}_{'_'.join(map(str, constants))}".replace(".", "_").replace(" ", "")
-    run = types.FunctionType(
-        run.__code__.replace(co_name=name, co_qualname=name),
-        run.__globals__,
-        name,
-        None,
-        run.__closure__,
-    )
-    graph = torch.compile(run)
-
-    def call(*tensors):
-        for t in (
-            tensors
-        ):  # sizes vary by tensor and bucket; small dims (ranks, scales, a block's 16) stay fixed
-            if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] > 64:
-                torch._dynamo.maybe_mark_dynamic(t, t.dim() - 1)
-            elif (
-                isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] > 64
-            ):  # (blocks, 16) rows
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-        return graph(*tensors)
-
-    return call
-
-
-def run_compiled(fn, tensors, constants=()):
-    """The stage runner of the torch references (kernels/*: `run`) for large CPU tensors."""
-    return compiled(fn, *constants)(*tensors)
-
-
-def _runner(n, stochastic):
-    # stochastic rounding needs bit casts that Inductor's CPU vectorizer gets wrong: it stays eager
-    return run_compiled if COMPILE and n >= COMPILE_MIN_ELEMENTS and not stochastic else eager
-
-
 @functools.lru_cache(maxsize=64)
 def random_signs(seed, n, device):
-    """The rotation's signs, kept per size (every step rotates the same tensors): the integer hash
-    is slow in eager torch, and Inductor's CPU vectorizer mistypes its shifts, so compiled code
-    takes them as an input."""
+    """The rotation's signs (int8), kept per size: every step rotates the same tensors, and the
+    hash costs more than reading them back."""
     return random_signs_torch(seed, 0, n, device)
-
-
-# The compiled rotation runs on chunks of this many elements (a multiple of every span): the
-# intermediates of one chunk stay in cache and come from the heap, where glibc maps and unmaps a
-# buffer the size of a large tensor on every call and faults in each of its pages (1e7 elements,
-# block 128: 44-60 ms a rotation whole, 20-27 ms in chunks of 2**20 into an existing tensor).
-ROTATE_CHUNK = 1 << 20
 
 
 def rotate(flat, rotation, inverse=False, out=None):
@@ -144,41 +76,11 @@ def rotate(flat, rotation, inverse=False, out=None):
     if runs_triton(flat):
         return hadamard_triton(flat, block, seed, inverse, out)
     signs = random_signs(seed, flat.numel(), flat.device)
-    if not (COMPILE and flat.numel() >= COMPILE_MIN_ELEMENTS):
-        result = hadamard_torch(flat, block, seed, inverse, signs)
-        return result if out is None else out.copy_(result)
-    out = torch.empty_like(flat) if out is None else out
-    spans = flat.numel() // (LANES * block) * (LANES * block)
-    chunk = max(ROTATE_CHUNK, LANES * block)
-    for start in range(0, spans, chunk):
-        part = slice(start, min(spans, start + chunk))
-        if out is flat:
-            compiled(_rotate_in_place, block, inverse)(*_spans((flat, signs), part, block))
-        else:
-            compiled(_rotate_into, block, inverse)(*_spans((flat, signs, out), part, block))
-    if spans < flat.numel():  # the remainder, shorter than a span: a few small ops
-        out[spans:] = hadamard_torch(flat[spans:], block, seed, inverse, signs[spans:])
-    return out
-
-
-def _spans(tensors, part, block):
-    """(spans, block, LANES) views of part of each tensor, only the number of spans dynamic: given
-    flat tensors, Inductor cannot prove that the lanes of a span number LANES and loops over
-    them."""
-    views = [t[part].view(-1, block, LANES) for t in tensors]
-    for view in views:
-        torch._dynamo.maybe_mark_dynamic(view, 0)
-    return views
-
-
-def _rotate_into(x, signs, out, block, inverse):
-    out.copy_(hadamard_blocks_torch(x, signs, block, inverse))
-
-
-def _rotate_in_place(x, signs, block, inverse):
-    # its own graph rather than _rotate_into with out=x: graph inputs that alias each other make
-    # Dynamo guard on, and compile for, that aliasing
-    x.copy_(hadamard_blocks_torch(x, signs, block, inverse))
+    if runs_native(flat):
+        out = torch.empty_like(flat) if out is None else out
+        return native.rotate_native(flat, segments(flat.numel(), block), signs, inverse, out)
+    result = hadamard_torch(flat, block, seed, inverse, signs)
+    return result if out is None else out.copy_(result)
 
 
 _workspaces = threading.local()
@@ -187,8 +89,8 @@ _workspaces = threading.local()
 def workspace(n, device, purpose):
     """A buffer of n fp32 elements for a temporary, kept per thread, device and purpose (one user
     at a time each) at the largest size asked for: a fresh buffer of over 32 MB is mapped anew by
-    glibc on every call and costs a page fault per 4 KB (a rotated 1e7-element tensor: 45-50 ms
-    into a new tensor, 20-22 ms into this one)."""
+    glibc on every call and costs a page fault per 4 KB (a 1e7-element sum: 45-50 ms into a new
+    tensor, 20-22 ms into this one)."""
     buffers = _workspaces.__dict__.setdefault("buffers", {})
     buffer = buffers.get((device, purpose))
     if buffer is None or buffer.numel() < n:
@@ -203,7 +105,7 @@ FUSED_SPAN_MAX = 1 << 15
 
 def quantize(flat, format, block_size=None, stochastic=False, seed=0, residual=None, rotation=None):
     """The codec's one entry point on flat fp32 data: optional rotation (block, seed), optional
-    error-feedback residual (updated in place), then quantization. Returns (codes, scales,
+    error-feedback residual (fp32, updated in place), then quantization. Returns (codes, scales,
     tensor_scale)."""
     if runs_triton(flat):
         span = LANES * rotation[0] if rotation is not None else 1
@@ -213,18 +115,14 @@ def quantize(flat, format, block_size=None, stochastic=False, seed=0, residual=N
             flat, residual, format, block_size, rotation, seed, stochastic
         )
     if rotation is not None:
-        flat = rotate(flat, rotation, out=workspace(flat.numel(), flat.device, "rotation"))
-    seed = seed if stochastic else 0  # unused by nearest rounding: one compiled graph for all seeds
-    return fused.rotate_feedback_quantize_torch(
-        flat,
-        residual,
-        format,
-        block_size,
-        None,
-        seed,
-        stochastic,
-        run=_runner(flat.numel(), stochastic),
-    )
+        flat = rotate(flat, rotation)
+    if runs_native(flat):
+        result = native.quantize_native(flat, residual, format, block_size, seed, stochastic)
+        if result is not None:
+            return result
+    # the reference: the torch path, and the native path's non-finite input (the NaN rules)
+    return fused.rotate_feedback_quantize_torch(flat, residual, format, block_size, None, seed,
+                                                stochastic)
 
 
 def dequantize(codes, scales, tensor_scale, n, format, block_size=None, out=None):
@@ -232,13 +130,19 @@ def dequantize(codes, scales, tensor_scale, n, format, block_size=None, out=None
     elements, e.g. a slice of the result) if given: a fresh tensor of over 32 MB costs a page fault
     per 4 KB on CPU, and a copy out of it another pass over memory."""
     _check_out(out, n, codes.device, "dequantize")
-    if not runs_triton(codes):
-        return fused.decode_torch(
-            codes, scales, tensor_scale, n, format, block_size, run=_runner(n, False), out=out
-        )
-    if format == "nvfp4":
-        return nvfp4.nvfp4_decode_triton(codes, scales, tensor_scale, n, out)
-    return fp8.fp8_decode_triton(codes, scales, fp8.FORMATS[format], block_size, out)
+    if runs_triton(codes):
+        if format == "nvfp4":
+            return nvfp4.nvfp4_decode_triton(codes, scales, tensor_scale, n, out)
+        return fp8.fp8_decode_triton(codes, scales, fp8.FORMATS[format], block_size, out)
+    if runs_native(codes):
+        out = torch.empty(n, dtype=torch.float32, device=codes.device) if out is None else out
+        return native.accumulate_native(codes[None], scales.reshape(1, -1), _row(tensor_scale),
+                                        n, format, block_size, out, from_zero=False)
+    return fused.decode_torch(codes, scales, tensor_scale, n, format, block_size, out=out)
+
+
+def _row(tensor_scale):
+    return None if tensor_scale is None else tensor_scale.reshape(-1)
 
 
 def _check_out(out, n, device, what):
@@ -293,6 +197,8 @@ def accumulate(codes, scales, tensor_scales, n, format, block_size=None, out=Non
     _check_out(out, n, codes.device, "accumulate")
     if runs_triton(codes):
         return fused.accumulate_triton(codes, scales, tensor_scales, n, format, block_size, out)
-    return fused.accumulate_torch(
-        codes, scales, tensor_scales, n, format, block_size, run=_runner(n, False), out=out
-    )
+    if runs_native(codes):
+        out = torch.empty(n, dtype=torch.float32, device=codes.device) if out is None else out
+        return native.accumulate_native(codes, scales, tensor_scales, n, format, block_size, out,
+                                        from_zero=True)
+    return fused.accumulate_torch(codes, scales, tensor_scales, n, format, block_size, out=out)

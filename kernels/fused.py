@@ -136,8 +136,7 @@ def accumulate_triton(codes, scales, tensor_scales, n, fmt_name, block_size, out
 
 
 # ---------------------------------------------------------------- torch references (the CPU path)
-# Each takes `run`, which runs its stages: eagerly here, compiled stage by stage from formats.py
-# (dtype views between stages stay eager).
+# Each takes `run`, which runs its stages (rounding.eager calls them).
 def quantize_stage(y, residual, fmt_name, block_size, seed=0, stochastic=False):
     """y (+ residual) -> unpacked codes, scales, tensor scale; the residual becomes the new error."""
     if residual is not None:
@@ -171,8 +170,7 @@ def _finite_or_inf(amax):
 def rotate_feedback_quantize_torch(x, residual, fmt_name, block_size, rotation=None, seed=0, stochastic=False, run=eager):
     y = hadamard_torch(x, rotation[0], rotation[1]) if rotation else x
     if fmt_name == "nvfp4" and y.numel() and y.numel() % NVFP4_BLOCK == 0:
-        # as (blocks, 16) rows: compiled code then indexes the residual as it does the blocks, and updates
-        # it in place in the codes' pass (seen flat, its index is taken modulo and it goes via a temporary)
+        # as (blocks, 16) rows: the residual is indexed as the blocks are, and updated in place
         y, residual = y.view(-1, NVFP4_BLOCK), None if residual is None else residual.view(-1, NVFP4_BLOCK)
     codes, scales, tensor_scale = run(quantize_stage, (y, residual), (fmt_name, block_size, seed, stochastic))
     if fmt_name == "nvfp4":

@@ -4,8 +4,8 @@
 on blocks of B (a power of two) elements; D holds seeded random signs, one per element index, the
 same on every rank. The blocks interleave: each span of LANES * B consecutive elements holds LANES
 blocks, block j taking elements j, j + LANES, j + 2 LANES, ... of the span. Every butterfly then
-adds whole LANES-wide vectors, so compiled CPU code needs no shuffles within a vector (a 2**20
-chunk with B = 128: 1.4 ms against 3.4 ms for contiguous blocks). On the example model's real
+adds whole LANES-wide vectors, so vectorized CPU code (kernels/native.py) needs no shuffles within
+a vector. On the example model's real
 gradients the change moved the energy-weighted round-trip error by -7 % to +3 % per codec,
 transform and step, the worst layer's by -17 % to +14 % (benchmarks/results/fidelity*.md).
 The remainder, shorter than a span, is rotated in contiguous blocks of B and its tail in the
@@ -25,9 +25,7 @@ from .rounding import EXACT_ARITHMETIC, uniform_hash, uniform_hash_torch
 LANES = 16
 
 
-# 1/sqrt(block) rounded once to fp32, so kernel and reference multiply by the same number. A table,
-# not a call to numpy: torch.compile traced that call into the graph, and the node kept the graph out
-# of AOTAutograd's disk cache (each process re-traced every rotation graph, ~3 s each on 2 cores).
+# 1/sqrt(block) rounded once to fp32, so every kernel and the reference multiply by the same number.
 NORMALIZERS = {1 << k: float(np.float32(1.0 / math.sqrt(1 << k))) for k in range(63)}
 
 
@@ -104,23 +102,10 @@ def hadamard_triton(x, block, seed, inverse=False, out=None):
     return out
 
 
-# ---------------------------------------------------------------- torch reference (the CPU path)
-def butterfly(items):
-    """Walsh-Hadamard butterflies over a list of 2**k tensors: strides 1, 2, 4, ... in that order."""
-    h = 1
-    while h < len(items):
-        items = [items[i - h] - items[i] if i & h else items[i] + items[i + h] for i in range(len(items))]
-        h *= 2
-    return items
-
-
+# ---------------------------------------------------------------- torch reference
 def hadamard_rows_torch(x, norm=1.0, signs=None):
     """Walsh-Hadamard transforms along axis 1 of a (rows, B, lanes) tensor, in the kernel's order,
-    times norm, then times signs (x's shape) if given. Two spellings of the same operations, so the
-    same bits: eager torch pays per op, so it runs one op per level on the whole tensor; compiled
-    code runs index arithmetic per element for that, so it gets lists of strided views instead."""
-    if torch.compiler.is_compiling():
-        return _hadamard_rows_listed(x, norm, signs)
+    times norm, then times signs (x's shape) if given: one op per level on the whole tensor."""
     rows, b, lanes = x.shape
     h = 1
     while h < b:
@@ -129,25 +114,6 @@ def hadamard_rows_torch(x, norm=1.0, signs=None):
         h *= 2
     x = x * norm
     return x if signs is None else x * signs
-
-
-def _hadamard_rows_listed(x, norm, signs):
-    """Each stage runs four levels on a list of 16 strided views, which Inductor keeps in registers:
-    elementwise ops on whole views, no index arithmetic. The last stage scales before it stacks:
-    Inductor cannot fuse a multiply into the stack's producers."""
-    rows, b, lanes = x.shape
-    stride = 1
-    while True:
-        group = min(16, b // stride)
-        shape = (rows, b // (stride * group), group, stride, lanes)
-        items = butterfly(list(x.reshape(shape).unbind(2)))
-        stride *= group
-        if stride >= b:
-            items = [item * norm for item in items]
-            if signs is not None:
-                items = [item * sign for item, sign in zip(items, signs.reshape(shape).unbind(2))]
-            return torch.stack(items, dim=2).reshape(rows, b, lanes)
-        x = torch.stack(items, dim=2).reshape(rows, b, lanes)
 
 
 def random_signs_torch(seed, start, length, device):

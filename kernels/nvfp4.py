@@ -146,9 +146,7 @@ def nvfp4_values_torch(codes, scale_codes, tensor_scale):
 
 
 # Packing works on 8 codes at once, seen as one little-endian int64 word (x86 and ARM alike):
-# contiguous integer ops that Inductor vectorizes, where it has no int16 vectors and gathers even
-# and odd elements in scalar code (1e7 codes: 1 ms to pack or unpack; 7-10 ms as int16 words).
-# The dtype views stay outside torch.compile, whose CPU code for them is 5-20x slower.
+# contiguous integer ops on whole tensors instead of gathers of even and odd elements.
 def pack_words_torch(words):
     """int32 words of packed bytes from int64 words of 8 codes each (even code in the low nibble)."""
     pairs = words | (words >> 4)        # byte 2k now holds codes 2k and 2k + 1

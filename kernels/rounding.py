@@ -1,7 +1,7 @@
 """Exact-arithmetic rounding to small floating-point formats, as Triton helpers and their torch twins.
 
 Both sides round the same way with the same fp32 operations, so they give the same bits in the
-Triton interpreter, compiled on a GPU, and in eager or compiled torch on a CPU. Triton's own fp8
+Triton interpreter, compiled on a GPU, in torch, and in the CPU's native kernels (native.py). Triton's own fp8
 casts are wrong in the interpreter (ties, carries, saturation), so no kernel relies on them.
 
 A format is (EBITS, MBITS, BIAS, MAX): E4M3 = (4, 3, 7, 448), E5M2 = (5, 2, 15, 57344),
@@ -114,8 +114,7 @@ def eager(fn, tensors, constants=()):
 
 
 def blocks_torch(x, block_size):
-    """Flat x as (blocks, block_size) rows, zero-padded only when the last block is partial (a pad,
-    even of nothing, costs compiled code a mask on every load)."""
+    """Flat x as (blocks, block_size) rows, zero-padded only when the last block is partial."""
     pad = -x.numel() % block_size
     if pad:
         x = torch.nn.functional.pad(x, (0, pad))
@@ -163,7 +162,7 @@ def encode_float_torch(v, fmt: FloatFormat, noise=None):
 
 def round_e2m1_nearest_torch(v):
     """E2M1 codes (int32) of v and their values, round to nearest even and saturate (NaN -> 0),
-    without bit casts (which torch.compile's CPU backend mis-vectorizes): the grid 0, .5, 1, 1.5 | 2, 3 | 4, 6 has
+    without bit casts: the grid 0, .5, 1, 1.5 | 2, 3 | 4, 6 has
     steps .5, 1 and 2, so the code is an even-rounded multiple of the step plus an offset per range.
     One rounding with a per-range multiplier, and NaN sent to 0 by comparisons (nan_to_num compiles
     to a scalar loop): the quantize stage with error feedback runs in 28-32 ms instead of 42-47 (1e7

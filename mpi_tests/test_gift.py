@@ -214,18 +214,18 @@ def test_adasum_is_refused_clearly():
         opt.step()
 
 
-def test_compiled_cpu_path_trains_bit_identical_to_eager(monkeypatch):
-    """The CPU fast path in real training (torch.compile; the rotation in chunks, the inverse in place
-    on the decoded sum): the same parameters, bit for bit, as eager torch, on every rank."""
-    from horovod_gift import formats
-    monkeypatch.setattr(formats, "COMPILE_MIN_ELEMENTS", 4096)     # TinyLM's weights: 4096-8192 elements
-    monkeypatch.setattr(formats, "ROTATE_CHUNK", 2048)
+@pytest.mark.parametrize("fmt,transform", [("nvfp4", "hadamard"), ("fp8_e4m3", "whiten")])
+def test_native_kernels_train_bit_identical_to_the_torch_references(fmt, transform):
+    """The CPU kernels in real training (rotation, feedback, reduce-scatter sums, re-quantization,
+    decode, inverse rotation in place on the decoded sum): the same parameters, bit for bit, as
+    the plain-torch references, on every rank."""
     parameters = {}
-    for use_compiled in (False, True):
-        monkeypatch.setattr(formats, "COMPILE", use_compiled)
-        model, opt, compression = make("nvfp4", transform="hadamard")
-        run(model, opt, steps=6)
-        parameters[use_compiled] = [p.detach().clone() for p in model.parameters()]
-    for (name, _), eager, compiled in zip(TinyLM().named_parameters(), parameters[False], parameters[True]):
-        assert torch.equal(eager, compiled), f"{name}: compiled path differs from eager after 6 steps"
-    assert_identical_on_all_ranks(parameters[True], "parameters trained on the compiled path")
+    for backend in ("torch", "native"):
+        with gift.use_kernels(backend):
+            model, opt, compression = make(fmt, transform=transform)
+            run(model, opt, steps=6)
+        parameters[backend] = [p.detach().clone() for p in model.parameters()]
+    for (name, _), reference, native in zip(TinyLM().named_parameters(), parameters["torch"],
+                                            parameters["native"]):
+        assert torch.equal(reference, native), f"{name}: native kernels differ after 6 steps"
+    assert_identical_on_all_ranks(parameters["native"], "parameters trained on the native kernels")

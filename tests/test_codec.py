@@ -7,7 +7,7 @@ import torch
 import horovod_gift as gift
 
 CODECS = [("fp8_e4m3", None), ("fp8_e4m3", 32), ("fp8_e5m2", None), ("fp8_e5m2", 128), ("nvfp4", None)]
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", "native", "triton"]
 
 
 def roundtrip(x, fmt, block, **kw):

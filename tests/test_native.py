@@ -1,0 +1,184 @@
+"""The native CPU kernels (kernels/native.py) give the torch references' bits: every format,
+rounding, block size, odd size, with and without error feedback, split across threads or not."""
+import pytest
+import torch
+
+import horovod_gift as gift
+from horovod_gift import formats
+from horovod_gift.kernels import native
+
+CODECS = [("nvfp4", None), ("fp8_e4m3", None), ("fp8_e4m3", 32), ("fp8_e5m2", None),
+          ("fp8_e5m2", 1), ("fp8_e5m2", 4096)]
+SIZES = [1, 15, 17, 1000, 70_037]
+
+
+def bits(t):
+    return None if t is None else t.contiguous().view(torch.uint8)
+
+
+def assert_same(reference, native_result, what):
+    for name, a, b in zip(("codes", "scales", "tensor scale"), reference, native_result):
+        assert (a is None) == (b is None), f"{what}: {name}"
+        if a is not None:
+            assert a.shape == b.shape and torch.equal(bits(a), bits(b)), f"{what}: {name} differ"
+
+
+def sample(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(2 * torch.randn(n, generator=g))
+    specials = torch.tensor([0.0, -0.0, 1e-30, -3e-8, 448.0, 57344.0, 1e4, -6.0, -1e-40])
+    x[: min(n, len(specials))] = specials[: min(n, len(specials))]
+    if n > 200:
+        x[64:128] = 0.0  # whole zero blocks
+    return x
+
+
+def both(fn):
+    """fn() under the torch references and under the native kernels."""
+    results = []
+    for backend in ("torch", "native"):
+        with gift.use_kernels(backend):
+            results.append(fn())
+    return results
+
+
+@pytest.mark.parametrize("fmt,block", CODECS)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("feedback", [False, True])
+def test_quantize_equals_reference(fmt, block, n, stochastic, feedback):
+    x = sample(n)
+    residual0 = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-2
+
+    def run():
+        residual = residual0.clone() if feedback else None
+        payload = formats.quantize(x, fmt, block, stochastic, seed=11, residual=residual)
+        return payload, residual
+
+    (ref, ref_residual), (got, got_residual) = both(run)
+    assert_same(ref, got, f"{fmt}/{block} n={n}")
+    if feedback:
+        assert torch.equal(bits(ref_residual), bits(got_residual)), "residuals differ"
+
+
+@pytest.mark.parametrize("fmt,block", CODECS)
+@pytest.mark.parametrize("n", SIZES)
+def test_decode_and_accumulate_equal_reference(fmt, block, n):
+    with gift.use_kernels("torch"):
+        payloads = [formats.quantize(sample(n, k) * (k + 1), fmt, block) for k in range(3)]
+    codes = torch.stack([p[0] for p in payloads])
+    scales = torch.stack([p[1] for p in payloads])
+    tensor_scales = torch.cat([p[2] for p in payloads]) if fmt == "nvfp4" else None
+    sums = both(lambda: formats.accumulate(codes, scales, tensor_scales, n, fmt, block))
+    assert torch.equal(bits(sums[0]), bits(sums[1])), "sums differ"
+    decoded = both(lambda: formats.dequantize(*payloads[1], n, fmt, block))
+    assert torch.equal(bits(decoded[0]), bits(decoded[1])), "decoded values differ"
+
+
+@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", 32), ("fp8_e5m2", None)])
+def test_nonfinite_input_follows_the_reference(fmt, block):
+    """A NaN reaches the torch reference untouched (the residual is not half-updated): the
+    payload decodes to NaN as the reference's does, and so does the residual."""
+    n = 5000
+    x = sample(n)
+    x[777] = float("nan")
+
+    def run():
+        residual = torch.full((n,), 1e-3)
+        payload = formats.quantize(x, fmt, block, residual=residual)
+        return payload, residual, formats.dequantize(*payload, n, fmt, block)
+
+    (ref, ref_residual, ref_decoded), (got, got_residual, got_decoded) = both(run)
+    assert_same(ref, got, fmt)
+    assert torch.equal(torch.isnan(ref_residual), torch.isnan(got_residual))
+    assert torch.equal(torch.isnan(ref_decoded), torch.isnan(got_decoded))
+    assert torch.isnan(got_decoded).any()
+
+
+@pytest.mark.parametrize("block", [1, 16, 128, 4096])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rotation_equals_reference_into_any_output(block, inverse):
+    """Whole spans, contiguous blocks and a power-of-two tail (n = 70_037); into a new tensor,
+    a given one and in place."""
+    n = 70_037
+    x = sample(n, 3)
+    with gift.use_kernels("torch"):
+        expected = formats.rotate(x, (block, 9), inverse)
+    with gift.use_kernels("native"):
+        into = torch.full((n,), float("nan"))
+        in_place = x.clone()
+        results = {"new": formats.rotate(x, (block, 9), inverse),
+                   "into": formats.rotate(x, (block, 9), inverse, out=into),
+                   "in place": formats.rotate(in_place, (block, 9), inverse, out=in_place)}
+    assert results["into"] is into and results["in place"] is in_place
+    for name, result in results.items():
+        assert torch.equal(bits(result), bits(expected)), f"{name}: differs from the reference"
+    assert not torch.equal(expected, x)
+
+
+@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", 64)])
+def test_threads_give_the_same_bits(monkeypatch, fmt, block):
+    """A large tensor is split across threads at tile boundaries; the bits do not depend on it."""
+    monkeypatch.setattr(native, "THREAD_MIN_ELEMENTS", 1 << 10)
+    n = (1 << 16) + 37
+    x = sample(n, 5)
+    results = []
+    for threads in (1, 3):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with gift.use_kernels("native"):
+                residual = torch.full((n,), 1e-3)
+                rotated = formats.rotate(x, (128, 2))
+                payload = formats.quantize(rotated, fmt, block, residual=residual)
+                total = formats.accumulate(torch.stack([payload[0]] * 2),
+                                           torch.stack([payload[1]] * 2),
+                                           None if payload[2] is None else payload[2].repeat(2),
+                                           n, fmt, block)
+        finally:
+            torch.set_num_threads(previous)
+        results.append([bits(t) for t in (rotated, *payload[:2], residual, total)])
+    for name, one, three in zip(("rotated", "codes", "scales", "residual", "sum"), *results):
+        assert torch.equal(one, three), f"{name}: 3 threads differ from 1"
+
+
+@pytest.mark.parametrize("n", [(1 << 12) + 8, (1 << 12) + 1])
+def test_nvfp4_decodes_payload_pieces_at_any_byte_offset(n):
+    """A piece of a received payload starts at any byte and may end mid-byte (n odd)."""
+    x = sample(n, 4)
+    codes, scales, tensor_scale = formats.quantize(x, "nvfp4")
+    expected = formats.dequantize(codes, scales, tensor_scale, n, "nvfp4")
+    for offset in (1, 2, 3):
+        payload = torch.zeros(codes.numel() + 8, dtype=torch.uint8)
+        payload[offset:offset + codes.numel()] = codes
+        payload[offset + codes.numel():] = 0xFF  # garbage past the piece must not leak in
+        piece = payload[offset:offset + codes.numel()]
+        decoded = formats.dequantize(piece, scales, tensor_scale, n, "nvfp4")
+        assert torch.equal(bits(decoded), bits(expected)), f"offset {offset}"
+
+
+@pytest.mark.parametrize("backend", ["torch", "native", "triton"])
+@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", 32), ("fp8_e5m2", None)])
+def test_decode_and_sum_into_a_slice_write_only_that_slice(backend, fmt, block):
+    """The collective decodes each received piece straight into its place in the result, and sums
+    into a reused buffer."""
+    n = (1 << 13) + 37
+    x = sample(n, 6)
+    with gift.use_kernels(backend):
+        payload = formats.quantize(x, fmt, block)
+        expected = formats.dequantize(*payload, n, fmt, block)
+        result = torch.full((n + 200,), float("nan"))
+        returned = formats.dequantize(*payload, n, fmt, block, out=result[100:100 + n])
+        assert returned.data_ptr() == result[100:].data_ptr()
+        assert torch.equal(bits(result[100:100 + n]), bits(expected))
+        assert torch.isnan(result[:100]).all() and torch.isnan(result[100 + n:]).all()
+        args = (payload[0][None], payload[1][None], payload[2], n, fmt, block)
+        total = formats.accumulate(*args)
+        returned = formats.accumulate(*args, out=result[100:100 + n])
+        assert returned.data_ptr() == result[100:].data_ptr()
+        assert torch.equal(bits(result[100:100 + n]), bits(total))
+        assert torch.isnan(result[:100]).all() and torch.isnan(result[100 + n:]).all()
+        with pytest.raises(ValueError, match=f"contiguous float32 tensor of {n} elements"):
+            formats.dequantize(*payload, n, fmt, block, out=result[:n + 1])
+        with pytest.raises(ValueError, match=f"accumulate: out must be a contiguous float32"):
+            formats.accumulate(*args, out=result[:n - 1])
