@@ -115,7 +115,8 @@ def quantize(flat, format, block_size=None, stochastic=False, seed=0, residual=N
             flat, residual, format, block_size, rotation, seed, stochastic
         )
     if rotation is not None:
-        flat = rotate(flat, rotation)
+        # quantization only reads the rotated copy: a per-thread buffer spares the page faults
+        flat = rotate(flat, rotation, out=workspace(flat.numel(), flat.device, "rotated"))
     if runs_native(flat):
         result = native.quantize_native(flat, residual, format, block_size, seed, stochastic)
         if result is not None:
