@@ -83,19 +83,33 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def build_model(args, device):
+    """The model of --dim and --layers (also built by benchmarks/peers_worker.py)."""
+    cfg = LlamaConfig(dim=args.dim, n_layers=args.layers, n_heads=max(1, args.dim // 32),
+                      hidden_dim=(8 * args.dim // 3 + 7) // 8 * 8, max_seq_len=args.seq_len)
+    return Llama(cfg).to(device)
+
+
+def make_optimizer(model, lr):
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+
+
+def make_schedule(optimizer):
+    """Linear learning-rate warm-up over the first 20 steps."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
+
+
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     hvd.init()
     torch.manual_seed(args.seed)
     device, autocast = place(args.device)
-    cfg = LlamaConfig(dim=args.dim, n_layers=args.layers, n_heads=max(1, args.dim // 32),
-                      hidden_dim=(8 * args.dim // 3 + 7) // 8 * 8, max_seq_len=args.seq_len)
-    model = Llama(cfg).to(device)
+    model = build_model(args, device)
     compression, compressor = make_compression(args.compression, model, args.bucket_elements,
                                                not args.no_error_feedback, args.log_every,
                                                args.start_step)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    optimizer = make_optimizer(model, args.lr)
     # wrap first: DistributedOptimizer builds a new optimizer object, which would drop loaded state
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compression)
     start_step = 0
@@ -110,7 +124,7 @@ def main(argv=None):
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     batches = ByteBatches(read_corpus(args.data), args.seq_len, args.batch_size, seed=args.seed, rank=hvd.rank(),
                           step=start_step)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
+    schedule = make_schedule(optimizer)
     for _ in range(start_step):
         schedule.step()
 
