@@ -249,9 +249,16 @@ def main(argv=None):
     finite = all(math.isfinite(e["heldout"]) for e in result["evals"])
     if rank == 0 and args.out:
         pathlib.Path(args.out).write_text(json.dumps(result))
+    code = 0 if finite else 1
     if args.arm in DDP_ARMS:
-        dist.destroy_process_group()
-    return 0 if finite else 1
+        dist.barrier()
+        # gloo's threads left by PowerSGD's callbacks can abort the C++ teardown ("terminate
+        # called without an active exception", rank 1 at 1 Gbit/s): the result is written and
+        # every rank is past its last collective, so leave without the teardown
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":
