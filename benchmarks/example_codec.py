@@ -68,8 +68,9 @@ def main():
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT,
                            check=False, capture_output=True)
-    lines = [f"# Codec seconds a step of the example, before and after ({time.strftime('%Y-%m-%d')})",
-             "", f"Command: `.venv/bin/python {' '.join(['benchmarks/example_codec.py'] + sys.argv[1:])}`",
+    command = " ".join(["benchmarks/example_codec.py"] + sys.argv[1:])
+    lines = [f"# Codec seconds a step of the example, before and after "
+             f"({time.strftime('%Y-%m-%d')})", "", f"Command: `.venv/bin/python {command}`",
              "", f"examples/train_llama.py --dim {args.dim} --layers {args.layers} --seq-len 64 "
              f"--batch-size 4, 2 ranks, OMP_NUM_THREADS=1, {args.steps} steps; before = "
              f"{args.before}, after = this tree; {args.repeats} paired repeats. Codec: median over "

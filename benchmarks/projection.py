@@ -8,9 +8,9 @@ Model (no overlap with compute, bandwidth-bound ring):
          stage 1 fused transform + feedback + encode, P * (4 + 8 + 8 + bits/8) (amax pass, x, residual r/w, payload)
          owner sums:  P * bits/8 + 4 P / n; stage 2 encode: P/n * (12 + bits/8); final decode: P * (bits/8 + 4)
 The codec bandwidth is an INPUT: no GPU was lent to the session that wrote this, so the default
-(2600 GB/s, about 62 % of an H200's measured 4211 GB/s copy) is ASSUMED from
-../shared/reference/triton-portability.md, where portable NVFP4 kernels of the same design reached
-2641 GB/s (62 %) and 1761 GB/s with a fused Hadamard. Replace it with benchmarks/gpu_check.py's
+(2600 GB/s, about 62 % of an H200's measured 4211 GB/s copy) is ASSUMED from a published
+measurement of portable Triton NVFP4 kernels of the same design (2641 GB/s, 62 %; 1761 GB/s with
+a fused Hadamard). Replace it with benchmarks/gpu_check.py's
 number when a GPU run exists. Whitening matmuls (4 r flops per element) are left out.
 """
 import argparse

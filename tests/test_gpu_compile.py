@@ -1,6 +1,6 @@
 """Every Triton kernel variant the library launches compiles for NVIDIA GPUs, with no GPU here.
 
-The interpreter runs code that the GPU compiler rejects (../shared/reference/triton-portability.md),
+The interpreter runs code that the GPU compiler rejects (e.g. some dtype casts and ops on scalars),
 and CI never has a GPU. Triton compiles ahead of time without one (it ships its own ptxas), so this
 test drives the library's codec entry points on small CPU tensors with the kernels forced, records
 each launch instead of running it, and compiles every distinct (kernel, signature, constants,
