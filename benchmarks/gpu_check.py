@@ -37,7 +37,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from horovod_gift import collective  # noqa: E402
-from horovod_gift.collective import BucketReduction, Codec  # noqa: E402
+from horovod_gift.collective import BucketReduction, Codec, owned_elements  # noqa: E402
 from horovod_gift.config import use_kernels  # noqa: E402
 from horovod_gift.geometry import InputWhitening  # noqa: E402
 from horovod_gift.kernels import fp8, fused, hadamard, nvfp4  # noqa: E402
@@ -266,12 +266,13 @@ class SimulatedRanks:
     def reduce(self, flats, step):
         reductions = []
         for k in range(self.n):
-            reduction = BucketReduction("gpu_check", flats[k], self.codec, self.process_sets[k],
-                                        self.residual1[k], None, average=True, step=step)
             if self.residual2[k] is None:
-                self.residual2[k] = torch.zeros(reduction.owned, device=self.device)
-            reduction.residual2 = self.residual2[k]
-            reductions.append(reduction)
+                owned = owned_elements([f.numel() for f in flats[k]], self.process_sets[k],
+                                       self.codec.align)
+                self.residual2[k] = torch.zeros(owned, device=self.device)
+            reductions.append(BucketReduction("gpu_check", flats[k], self.codec,
+                                              self.process_sets[k], self.residual1[k],
+                                              self.residual2[k], average=True, step=step))
         with self.transport.installed():
             for reduction in reductions:
                 reduction.start()

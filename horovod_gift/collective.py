@@ -116,6 +116,12 @@ def bucket_pieces(sizes, n, align):
     ]
 
 
+def owned_elements(sizes, process_set, align):
+    """How many elements of a bucket of tensors with these sizes this rank owns (its chunk)."""
+    pieces = bucket_pieces(sizes, process_set.size(), align)[process_set.rank()]
+    return sum(hi - lo for _, lo, hi in pieces)
+
+
 def mix_seed(*values):
     """A 31-bit seed from integers, the same in every process (the hash of an int tuple is not
     salted)."""
@@ -145,7 +151,6 @@ class BucketReduction:
         )
         self.n, self.rank = process_set.size(), process_set.rank()
         self.pieces = bucket_pieces([f.numel() for f in flats], self.n, codec.align)
-        self.owned = sum(hi - lo for _, lo, hi in self.pieces[self.rank])
         self.bytes_sent = 0
         self.wait_seconds = 0.0  # blocked in hvd.synchronize
 

@@ -16,19 +16,18 @@ first stage once all its members are in; the first decompress of a step puts eve
 second stage in flight together. Tensors under `min_elements`, sparse gradients and steps in
 which a rank has called hvd.join() take Horovod's own fp32 reduction.
 """
-import hashlib
 import time
 import weakref
+from dataclasses import dataclass, field
 
 import torch
 import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 from torch.profiler import record_function
 
-from horovod_gift.kernels.hadamard import LANES
-
 from . import horovod_internals as internals
-from .collective import BucketReduction, Codec, allgather_object
+from .checkpoint import Checkpointing
+from .collective import BucketReduction, Codec, owned_elements
 from .config import check_codec
 from .feedback import ErrorFeedback
 from .statistics import WhiteningStatistics
@@ -37,13 +36,30 @@ from .transforms import TRANSFORMS, TransformPlan
 
 HOROVOD_DTYPES = (torch.float16, torch.float32, torch.float64)
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass
+class StepState:
+    """What GIFT knows about the step in flight; a new one starts each step."""
+    in_step: bool = False                 # the step's first gradient has arrived
+    outstanding: int = 0                  # tensors handed to Horovod and not yet decompressed
+    sent: set = field(default_factory=set)           # names of the parameters compressed
+    joined: bool = False                  # a rank is in hvd.join(): every tensor goes fp32
+    plain: bool = False                   # every tensor takes Horovod's fp32 path (join, warm-up)
+    u: dict = field(default_factory=dict)            # name -> transformed flat gradient
+    shapes: dict = field(default_factory=dict)       # name -> (shape, dtype) of the gradient
+    reductions: dict = field(default_factory=dict)   # bucket -> BucketReduction in flight
+    results: dict = field(default_factory=dict)      # bucket -> {name: reduced flat u}
+    exchanged: bool = False               # every bucket's second stage is in flight
+
+
 # The statistics and their forward hooks exist only where a whitening transform can be chosen.
 WHITENING_TRANSFORMS = ("auto", "whiten", "whiten+hadamard")
 REFRESH_EVERY = 4       # steps between whitening refreshes (the class docstring says why)
 STAT_WINDOW = 5         # steps in the statistics' EMA
 
 
-class GIFT(Compressor):
+class GIFT(Checkpointing, Compressor):
     """State of the low-precision gradient exchange for one model (see the module docstring).
 
     format: "nvfp4" | "fp8_e4m3" | "fp8_e5m2"; block_size: FP8 scale block (None: per tensor);
@@ -208,21 +224,21 @@ class GIFT(Compressor):
 
     def _compress(self, tensor):
         name = self._name_of(tensor)
-        if not self._in_step:
+        if not self.current.in_step:
             self._begin_step(tensor.device)
-        self._outstanding += 1
-        self._sent.add(name)
+        self.current.outstanding += 1
+        self.current.sent.add(name)
         self.telemetry.add(elements=tensor.numel())
-        if self._plain or name not in self.bucket_of:
+        if self.current.plain or name not in self.bucket_of:
             self.telemetry.add(uncompressed_elements=tensor.numel(),
                                payload_bytes=4 * tensor.numel())
             plain = tensor if tensor.dtype in HOROVOD_DTYPES else tensor.to(torch.float32)
             return plain, ("plain", name, tensor.dtype)
         self.plan.record(name, tensor, self.codec)
-        self._u[name] = self.plan.forward(name, tensor, in_place=True)
-        self._shapes[name] = (tensor.shape, tensor.dtype)
+        self.current.u[name] = self.plan.forward(name, tensor, in_place=True)
+        self.current.shapes[name] = (tensor.shape, tensor.dtype)
         bucket = self.bucket_of[name]
-        if all(n in self._u for n in self.buckets[bucket]):
+        if all(n in self.current.u for n in self.buckets[bucket]):
             self._start(bucket)
         # on the gradient's device: Horovod's grouped allreduce (groups=) wants one device a group
         return torch.zeros(1, device=tensor.device), ("gift", name, tensor.dtype)
@@ -238,26 +254,23 @@ class GIFT(Compressor):
             self._reset_step()
             raise FloatingPointError(f"GIFT: the averaged gradient of {name} is not finite "
                                      "(a rank's gradient held NaN or Inf)")
-        self._outstanding -= 1
-        if self._outstanding == 0:
+        self.current.outstanding -= 1
+        if self.current.outstanding == 0:
             self._end_step()
         return result
 
     # ---------------------------------------------------------------- one step
     def _reset_step(self):
-        self._in_step, self._outstanding, self._sent = False, 0, set()
-        self._joined = self._plain = False   # plain: every tensor takes Horovod's fp32 path
-        self._u, self._shapes, self._reductions, self._results = {}, {}, {}, {}
-        self._exchanged = False
+        self.current = StepState()
 
     def _begin_step(self, device):
-        self._in_step = True
+        self.current.in_step = True
         if self._pending_rank_state is not False:
             self._load_rank_state(self._pending_rank_state)
-        self._joined = not self._roll_call(device)
-        if self._joined:                # every tensor takes Horovod's fp32 path; nothing else runs
+        self.current.joined = not self._roll_call(device)
+        if self.current.joined:                # every tensor takes Horovod's fp32 path; nothing else runs
             self.telemetry.add(joined_steps=1)
-            self._plain = True
+            self.current.plain = True
             self.statistics.advance()
             return
         if self._verify:
@@ -265,13 +278,13 @@ class GIFT(Compressor):
             self._verify = False
         # warm-up: Horovod's fp32 path, while the statistics gather (the factors are ready when
         # compression starts, and the residuals start at zero then)
-        self._plain = self.step < self.start_step
-        self.telemetry.add(warmup_steps=int(self._plain))
+        self.current.plain = self.step < self.start_step
+        self.telemetry.add(warmup_steps=int(self.current.plain))
         self._follow_grad_scaler()
         # "auto" judges the candidates on refresh steps (factors from earlier batches only, as on
         # the steps that follow); step 0 has no earlier batch
-        self.plan.evaluating = (not self._plain and self.step >= 1
-                                and self.statistics.due(self.step))
+        self.plan.begin_step(evaluating=not self.current.plain and self.step >= 1
+                             and self.statistics.due(self.step))
         if self.statistics.due(self.step):
             with record_function("horovod_gift.refresh"):
                 self._fold_second_stage_residuals()            # factors change this step
@@ -313,14 +326,16 @@ class GIFT(Compressor):
 
     def _start(self, bucket):
         names = self.buckets[bucket]
-        flats = [self._u[n] if n in self._u else self._zeros(n, torch.float32) for n in names]
-        residual1 = self.feedback.first_stage(names) if self.feedback else None
-        reduction = BucketReduction(f"gift.b{bucket}", flats, self.codec, self.process_set,
-                                    residual1, None, average=self.average, step=self.step)
+        flats = [self.current.u[n] if n in self.current.u else self._zeros(n, torch.float32)
+                 for n in names]
+        residual1 = residual2 = None
         if self.feedback:
-            reduction.residual2 = self.feedback.second_stage(bucket, reduction.owned,
-                                                             flats[0].device)
-        self._reductions[bucket] = reduction.start()
+            residual1 = self.feedback.first_stage(names)
+            owned = owned_elements([f.numel() for f in flats], self.process_set, self.codec.align)
+            residual2 = self.feedback.second_stage(bucket, owned, flats[0].device)
+        reduction = BucketReduction(f"gift.b{bucket}", flats, self.codec, self.process_set,
+                                    residual1, residual2, average=self.average, step=self.step)
+        self.current.reductions[bucket] = reduction.start()
         self.telemetry.add(payload_bytes=sum(self.codec.payload_bytes(f.numel()) for f in flats))
 
     def _zeros(self, name, dtype):
@@ -329,36 +344,36 @@ class GIFT(Compressor):
         return torch.zeros(p.numel(), dtype=dtype, device=p.device)
 
     def _second_stage(self):
-        if self._exchanged:
+        if self.current.exchanged:
             return
         for bucket in range(len(self.buckets)):     # a bucket whose members Horovod never sent
-            if bucket not in self._reductions and any(n in self._u for n in self.buckets[bucket]):
+            if bucket not in self.current.reductions and any(n in self.current.u for n in self.buckets[bucket]):
                 self._start(bucket)
-        for reduction in self._reductions.values():       # all second stages in flight together
+        for reduction in self.current.reductions.values():       # all second stages in flight together
             reduction.exchange()
         self.plan.start_vote()
-        self._exchanged = True
+        self.current.exchanged = True
 
     def _result(self, name):
         bucket = self.bucket_of[name]
-        if bucket not in self._results:
-            reduction = self._reductions[bucket]
+        if bucket not in self.current.results:
+            reduction = self.current.reductions[bucket]
             # over the transformed gradients, some of them p.grad itself: Horovod's own
             # allreduce_async_ writes its result into p.grad too, and sets p.grad to what
             # decompress returns
             results = reduction.finish(over_inputs=True)
-            self._results[bucket] = dict(zip(self.buckets[bucket], results))
+            self.current.results[bucket] = dict(zip(self.buckets[bucket], results))
             self.telemetry.add(bytes_sent=reduction.bytes_sent,
                                wait_seconds=reduction.wait_seconds)
             if self.feedback:
                 self.feedback.scrub((reduction.residual1 or []) + [reduction.residual2])
-        shape, dtype = self._shapes[name]
-        u = self._results[bucket].pop(name)
+        shape, dtype = self.current.shapes[name]
+        u = self.current.results[bucket].pop(name)
         return self.plan.inverse(name, u, in_place=True).view(shape).to(dtype)
 
     def _end_step(self):
         self._average_unhooked()
-        if self.plan.evaluating and not self._joined:
+        if self.plan.evaluating and not self.current.joined:
             with record_function("horovod_gift.vote"):
                 self._fold_second_stage_residuals()
                 self.plan.finish_vote(self._convert_residual)
@@ -373,7 +388,7 @@ class GIFT(Compressor):
         wrapped and are trainable now: Horovod hooks only the parameters trainable at
         construction, so without this each rank would step with its own gradient."""
         late = [n for n in self.frozen_at_start
-                if self.params[n].requires_grad and n not in self._sent]
+                if self.params[n].requires_grad and n not in self.current.sent]
         if not late:
             return
         if late != self._late_reported and self.verbose and hvd.rank() == 0:
@@ -406,7 +421,7 @@ class GIFT(Compressor):
         if self.feedback:
             self.feedback.convert(name, old_inverse, lambda g: self.plan.forward(name, g))
 
-    # ---------------------------------------------------------------- identity and agreement
+    # ---------------------------------------------------------------- identity
     def _name_of(self, tensor):
         name = self._grad_names.get(id(tensor))
         if name is not None and self.params[name].grad is tensor:
@@ -420,68 +435,7 @@ class GIFT(Compressor):
                          "same model's named_parameters() to hvd.DistributedOptimizer "
                          "(sparse_as_dense is not supported)")
 
-    def config(self):
-        # the rotation's layout too: saved residuals live in the rotated space, and ranks must
-        # agree on it
-        shapes = [(n, tuple(p.shape)) for n, p in self.params.items()]
-        return dict(format=self.codec.format, block_size=self.codec.block_size,
-                    rounding=self.codec.rounding, seed=self.codec.seed, transform=self.transform,
-                    error_feedback=self.error_feedback, min_elements=self.min_elements,
-                    hadamard_block=self.plan.hadamard_block, hadamard_interleave=LANES,
-                    refresh_every=self.statistics.refresh_every,
-                    stat_window=self.statistics.window, whitening_rank=self.statistics.rank,
-                    damping=self.statistics.damping,
-                    nonfinite=self.nonfinite, residual_dtype=str(self.residual_dtype),
-                    start_step=self.start_step,
-                    model=_fingerprint((self.buckets, shapes)))
-
-    def _load_rank_state(self, saved):
-        """This rank's residuals and statistics histories, if they were saved on a job of this
-        size by this rank; otherwise they restart at zero (with a warning)."""
-        self._pending_rank_state = False
-        n, me = self.process_set.size(), self.process_set.rank()
-        if saved is None or (saved["ranks"], saved["rank"]) != (n, me):
-            self.reset_rank_state()
-            why = ("it has no per-rank state" if saved is None else
-                   f"it was saved by rank {saved['rank']} of {saved['ranks']}, "
-                   f"this is rank {me} of {n}")
-            # every rank is in the same case unless only the rank differs: one warning then
-            if me == 0 or (saved is not None and saved["ranks"] == n):
-                logger.warning("GIFT.load_state_dict: %s; error-feedback residuals and statistics "
-                               "histories restart at zero (the rest is kept)", why)
-            return
-        self.statistics.load_local_state_dict(saved["statistics"])
-        self._scale = saved["grad_scale"]
-        if self.feedback:
-            self.feedback.load_state_dict(saved["feedback"],
-                                          lambda k: self.params[self.buckets[k][0]].device)
-
-    def reset_rank_state(self):
-        """Forget what belongs to this rank in this job (error-feedback residuals, statistics
-        histories, the GradScaler scale they are in) and check the ranks agree at the next step:
-        call it on every rank when the number of ranks changes (hvd.elastic's on_state_reset)."""
-        if self.feedback:
-            self.feedback = ErrorFeedback(self.params, self.residual_dtype)
-        self.statistics.load_local_state_dict({})
-        self._scale, self._verify = None, True
-        self.telemetry.restart(self.step)
-
-    def _check_ranks_agree(self):
-        """Collective, at the first step and the first after load_state_dict: every rank raises
-        the same error if the configuration, the model's parameters or the step count differ."""
-        configs = allgather_object(dict(self.config(), step=self.step), "gift.config",
-                                   self.process_set)
-        if all(c == configs[0] for c in configs):
-            return
-        diff = sorted({k for c in configs for k in c if c.get(k) != configs[0].get(k)})
-        hint = {"model": " (the model's parameter names or shapes, or the buckets, differ)",
-                "step": " (load the compressor's state_dict on every rank, not only on one)"}
-        per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{k}={c.get(k)!r}" for k in diff)
-                             for r, c in enumerate(configs))
-        raise ValueError(f"GIFT configuration differs across ranks in {', '.join(diff)}: "
-                         + per_rank + "".join(hint.get(k, "") for k in diff))
-
-    # ---------------------------------------------------------------- telemetry and checkpoints
+    # ---------------------------------------------------------------- telemetry
     def describe(self):
         counts = self.plan.counts(self.bucket_of)
         block = f" (block {self.codec.block_size})" if self.codec.block_size else ""
@@ -496,44 +450,6 @@ class GIFT(Compressor):
         that took the fp32 path because a rank had called hvd.join() or GIFT was warming up."""
         return self.telemetry.stats(self.step, self.plan.counts(self.bucket_of))
 
-    def state_dict(self, rank_state=True):
-        """The shared state (step, configuration, whitening statistics and factors, transform
-        choices) and, unless rank_state=False, this rank's own (error-feedback residuals and
-        statistics histories, 1 + 1/n elements per parameter element, with the rank and the
-        number of ranks). Not collective. To resume bit for bit, every rank saves its own (one
-        file per rank); the shared part alone resumes on any number of ranks, residuals at zero."""
-        state = {"step": self.step, "config": self.config(),
-                 "statistics": self.statistics.state_dict(), "plan": self.plan.state_dict(),
-                 "rank_state": None}
-        if rank_state and self._pending_rank_state is not False:
-            state["rank_state"] = self._pending_rank_state   # loaded, not applied yet
-        elif rank_state:
-            state["rank_state"] = {
-                "rank": self.process_set.rank(), "ranks": self.process_set.size(),
-                "feedback": (self.feedback or ErrorFeedback(self.params)).state_dict(),
-                "statistics": self.statistics.local_state_dict(),
-                "grad_scale": self._scale}          # the residuals' units
-        return state
-
-    def load_state_dict(self, state):
-        """Load a state_dict(): the shared part always; the per-rank part if this rank saved it in
-        a job of this size, else the residuals restart at zero with one warning."""
-        if state["config"] != self.config():
-            raise ValueError(f"GIFT.load_state_dict: saved with {state['config']}, "
-                             f"this GIFT is {self.config()}")
-        self._pending_rank_state = state["rank_state"]
-        if self._optimizer is not None or self.requested_process_set is not None:
-            self._load_rank_state(state["rank_state"])   # else at the first step, once known
-        self.step = state["step"]
-        self.statistics.load_state_dict(state["statistics"])
-        self.plan.load_state_dict(state["plan"])
-        self._verify = True
-        self.telemetry.restart(self.step)
-        self._reset_step()
-
-
-def _fingerprint(value):
-    return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
 
 
 def _check_instance(obj):

@@ -119,8 +119,12 @@ class TransformPlan:
                 self.choice[name] = best
                 convert_residual(name, lambda u, n=name, o=old: self.inverse(n, u, plan=o))
 
+    def begin_step(self, evaluating):
+        """evaluating: this step's gradients are judged for the "auto" vote (a refresh step)."""
+        self.evaluating, self._errors, self._vote = evaluating, {}, None
+
     def end_step(self):
-        self.evaluating, self._errors, self._vote = False, {}, None
+        self.begin_step(evaluating=False)
 
     def counts(self, compressed):
         out = {}

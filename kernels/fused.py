@@ -17,7 +17,7 @@ from .hadamard import LANES, hadamard_tile, hadamard_torch, normalizer, random_s
 from .nvfp4 import BLOCK as NVFP4_BLOCK
 from .nvfp4 import (nvfp4_decode_tile, nvfp4_decode_torch, nvfp4_quantize_blocks_torch, nvfp4_quantize_tile,
                     nvfp4_tensor_scale_torch, nvfp4_values_torch, pack_codes_torch, pack_nibbles, unpack_codes_torch)
-from .rounding import EXACT_ARITHMETIC, blocks_torch, eager, is_nonfinite
+from .rounding import EXACT_ARITHMETIC, blocks_torch, is_nonfinite
 
 
 @triton.jit
@@ -136,7 +136,6 @@ def accumulate_triton(codes, scales, tensor_scales, n, fmt_name, block_size, out
 
 
 # ---------------------------------------------------------------- torch references (the CPU path)
-# Each takes `run`, which runs its stages (rounding.eager calls them).
 def quantize_stage(y, residual, fmt_name, block_size, seed=0, stochastic=False):
     """y (+ residual) -> unpacked codes, scales, tensor scale; the residual becomes the new error."""
     if residual is not None:
@@ -167,29 +166,28 @@ def _finite_or_inf(amax):
     return torch.where(torch.isfinite(amax), amax, float("inf"))
 
 
-def rotate_feedback_quantize_torch(x, residual, fmt_name, block_size, rotation=None, seed=0, stochastic=False, run=eager):
+def rotate_feedback_quantize_torch(x, residual, fmt_name, block_size, rotation=None, seed=0,
+                                   stochastic=False):
+    """The reference of rotate_feedback_quantize_triton: (codes, scales, tensor_scale); the
+    residual, if given, becomes the new error."""
     y = hadamard_torch(x, rotation[0], rotation[1]) if rotation else x
     if fmt_name == "nvfp4" and y.numel() and y.numel() % NVFP4_BLOCK == 0:
         # as (blocks, 16) rows: the residual is indexed as the blocks are, and updated in place
-        y, residual = y.view(-1, NVFP4_BLOCK), None if residual is None else residual.view(-1, NVFP4_BLOCK)
-    codes, scales, tensor_scale = run(quantize_stage, (y, residual), (fmt_name, block_size, seed, stochastic))
+        y = y.view(-1, NVFP4_BLOCK)
+        residual = None if residual is None else residual.view(-1, NVFP4_BLOCK)
+    codes, scales, tensor_scale = quantize_stage(y, residual, fmt_name, block_size, seed,
+                                                 stochastic)
     if fmt_name == "nvfp4":
-        codes = pack_codes_torch(codes, y.numel(), run)
+        codes = pack_codes_torch(codes, y.numel())
     return codes, scales, tensor_scale
 
 
-def decode_torch(codes, scales, tensor_scale, n, fmt_name, block_size, run=eager, out=None):
+def decode_torch(codes, scales, tensor_scale, n, fmt_name, block_size, out=None):
     """n decoded fp32 values, into out (n elements) if given."""
     if fmt_name == "nvfp4":
-        return nvfp4_decode_torch(codes, scales, tensor_scale, n, run, out)
-    if out is None:
-        return run(fp8_decode_torch, (codes[:n], scales), (FORMATS[fmt_name], block_size))
-    run(fp8_decode_into, (codes[:n], scales, out), (FORMATS[fmt_name], block_size))
-    return out
-
-
-def fp8_decode_into(codes, scales, out, fmt, block_size):
-    out.copy_(fp8_decode_torch(codes, scales, fmt, block_size))
+        return nvfp4_decode_torch(codes, scales, tensor_scale, n, out)
+    values = fp8_decode_torch(codes[:n], scales, FORMATS[fmt_name], block_size)
+    return values if out is None else out.copy_(values)
 
 
 def accumulate_stage(codes, scales, tensor_scales, n, fmt_name, block_size):
@@ -203,14 +201,10 @@ def accumulate_stage(codes, scales, tensor_scales, n, fmt_name, block_size):
     return total
 
 
-def accumulate_torch(codes, scales, tensor_scales, n, fmt_name, block_size, run=eager, out=None):
+def accumulate_torch(codes, scales, tensor_scales, n, fmt_name, block_size, out=None):
+    """The fp32 sum in rank order of k payloads (codes, scales, tensor_scales: k rows), into out
+    (n elements) if given."""
     if fmt_name == "nvfp4":
-        codes = unpack_codes_torch(codes, run)
-    if out is None:
-        return run(accumulate_stage, (codes, scales, tensor_scales, n), (fmt_name, block_size))
-    run(accumulate_into, (codes, scales, tensor_scales, out), (fmt_name, block_size))
-    return out
-
-
-def accumulate_into(codes, scales, tensor_scales, out, fmt_name, block_size):
-    out.copy_(accumulate_stage(codes, scales, tensor_scales, out.numel(), fmt_name, block_size))
+        codes = unpack_codes_torch(codes)
+    total = accumulate_stage(codes, scales, tensor_scales, n, fmt_name, block_size)
+    return total if out is None else out.copy_(total)

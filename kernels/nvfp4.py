@@ -10,10 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import (E2M1, E4M3, EXACT_ARITHMETIC, blocks_torch, decode_e2m1_torch, eager, decode_float, encode_float, encode_float_torch, round_e2m1_nearest_torch,
+from .rounding import (E2M1, E4M3, EXACT_ARITHMETIC, blocks_torch, decode_e2m1_torch, decode_float, encode_float, encode_float_torch, round_e2m1_nearest_torch,
                        uniform_hash, uniform_hash_torch)
 
 BLOCK = 16
+# The kernels spell the two formats out as (ebits, mbits, bias, max) literals: E4M3 = (4, 3, 7,
+# 448.0) for the block scales, E2M1 = (2, 1, 1, 6.0) for the elements. Module-level tl.constexpr
+# globals compile, but the interpreter (how CI runs the kernels) passes them to helpers as
+# constexpr objects that int32 arithmetic rejects.
 TENSOR_SCALE_DIVISOR = E2M1.max * E4M3.max   # 2688
 
 
@@ -23,16 +27,16 @@ def nvfp4_quantize_tile(y, offs, tensor_scale, seed, STOCHASTIC: tl.constexpr):
     amax = tl.max(tl.abs(y), axis=1)
     t_usable = (tensor_scale > 0) & (tensor_scale < float("inf"))
     ratio = tl.where(t_usable, tl.math.div_rn(amax, tl.zeros_like(amax) + tensor_scale * 6.0), 0.0)
-    scale_codes = encode_float(ratio, ratio, 4, 3, 7, 448.0, False)
-    denom = decode_float(scale_codes, 4, 3, 7) * tensor_scale
+    scale_codes = encode_float(ratio, ratio, 4, 3, 7, 448.0, False)   # E4M3
+    denom = decode_float(scale_codes, 4, 3, 7) * tensor_scale      # E4M3
     usable = (denom > 0) & (denom < float("inf"))
     v = tl.where(usable[:, None], tl.math.div_rn(y, tl.where(usable, denom, 1.0)[:, None]), 0.0)
     if STOCHASTIC:
         noise = uniform_hash(seed, offs)
     else:
         noise = v
-    codes = encode_float(v, noise, 2, 1, 1, 6.0, STOCHASTIC)
-    dequantized = decode_float(codes, 2, 1, 1) * denom[:, None]
+    codes = encode_float(v, noise, 2, 1, 1, 6.0, STOCHASTIC)       # E2M1
+    dequantized = decode_float(codes, 2, 1, 1) * denom[:, None]   # E2M1
     return codes, scale_codes, dequantized
 
 
@@ -65,8 +69,8 @@ def nvfp4_decode_tile(packed_ptr, scale_codes_ptr, tensor_scale_ptr, rows, n, RO
     byte_offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
     packed = tl.load(packed_ptr + byte_offs, mask=byte_offs * 2 < n, other=0)
     scale_codes = tl.load(scale_codes_ptr + rows, mask=rows * 16 < n, other=0)
-    denom = decode_float(scale_codes, 4, 3, 7) * tl.load(tensor_scale_ptr)
-    return decode_float(unpack_nibbles(packed, ROWS), 2, 1, 1) * denom[:, None]
+    denom = decode_float(scale_codes, 4, 3, 7) * tl.load(tensor_scale_ptr)   # E4M3
+    return decode_float(unpack_nibbles(packed, ROWS), 2, 1, 1) * denom[:, None]   # E2M1
 
 
 @triton.jit
@@ -161,34 +165,29 @@ def unpack_words_torch(words):
     return (spread & 0x000F000F000F000F) | ((spread << 4) & 0x0F000F000F000F00)
 
 
-def pack_codes_torch(codes, n, run=eager):
+def pack_codes_torch(codes, n):
     """(n + 1) // 2 packed bytes of unpacked codes (uint8, a multiple of 8 of them)."""
-    return run(pack_words_torch, (codes.view(torch.int64),)).view(torch.uint8)[: (n + 1) // 2]
+    return pack_words_torch(codes.view(torch.int64)).view(torch.uint8)[: (n + 1) // 2]
 
 
-def unpack_codes_torch(packed, run=eager):
+def unpack_codes_torch(packed):
     """Codes, one a byte, of packed bytes (..., bytes): rows padded to whole words, so a few more."""
     pad = -packed.shape[-1] % 4
-    if pad or packed.data_ptr() % 4 or not packed.is_contiguous():      # payload pieces start anywhere
-        padded = torch.zeros(*packed.shape[:-1], packed.shape[-1] + pad, dtype=torch.uint8, device=packed.device)
+    if pad or packed.data_ptr() % 4 or not packed.is_contiguous():  # pieces start anywhere
+        padded = torch.zeros(*packed.shape[:-1], packed.shape[-1] + pad, dtype=torch.uint8,
+                             device=packed.device)
         padded[..., :packed.shape[-1]] = packed
         packed = padded
-    return run(unpack_words_torch, (packed.view(torch.int32),)).view(torch.uint8)
+    return unpack_words_torch(packed.view(torch.int32)).view(torch.uint8)
 
 
-def nvfp4_encode_torch(x, tensor_scale, seed=0, stochastic=False, run=eager):
-    codes, scale_codes = run(nvfp4_codes_torch, (x, tensor_scale), (seed, stochastic))
-    return pack_codes_torch(codes, x.numel(), run), scale_codes
+def nvfp4_encode_torch(x, tensor_scale, seed=0, stochastic=False):
+    """The reference of nvfp4_encode_triton: packed codes and one E4M3 scale code per block."""
+    codes, scale_codes = nvfp4_codes_torch(x, tensor_scale, seed, stochastic)
+    return pack_codes_torch(codes, x.numel()), scale_codes
 
 
-def nvfp4_decode_torch(packed, scale_codes, tensor_scale, n, run=eager, out=None):
-    codes = unpack_codes_torch(packed, run)
-    if out is None:
-        return run(nvfp4_values_torch, (codes, scale_codes, tensor_scale))[:n]
-    run(nvfp4_values_into, (codes, scale_codes, tensor_scale, out))
-    return out
-
-
-def nvfp4_values_into(codes, scale_codes, tensor_scale, out):
-    """nvfp4_values_torch written into out (its first out.numel() values): one pass, no temporary."""
-    out.copy_(nvfp4_values_torch(codes, scale_codes, tensor_scale)[:out.numel()])
+def nvfp4_decode_torch(packed, scale_codes, tensor_scale, n, out=None):
+    """n decoded fp32 values, into out (n elements) if given."""
+    values = nvfp4_values_torch(unpack_codes_torch(packed), scale_codes, tensor_scale)[:n]
+    return values if out is None else out.copy_(values)

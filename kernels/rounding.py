@@ -108,11 +108,6 @@ def decode_float(code, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.conste
 
 
 # ---------------------------------------------------------------- torch
-def eager(fn, tensors, constants=()):
-    """How a torch reference runs its stages; horovod_gift.formats passes one that compiles each."""
-    return fn(*tensors, *constants)
-
-
 def blocks_torch(x, block_size):
     """Flat x as (blocks, block_size) rows, zero-padded only when the last block is partial."""
     pad = -x.numel() % block_size
