@@ -3,7 +3,7 @@ training time to a held-out loss target for Horovod fp32 / fp16, torch DDP fp32 
 PowerSGD (rank 1 and 4), gift-fp8 and gift-nvfp4. Needs root and iproute2; without them it says
 so and measures nothing.
 
-    .venv/bin/python benchmarks/peers.py            # about 45 minutes on 2 cores
+    .venv/bin/python benchmarks/peers.py            # about 40 minutes on 2 cores
 
 Network (benchmarks/peers_net.py): each rank in its own network namespace, a veth to a bridge,
 both ends shaped by tc tbf at the configuration's rate; its rate is measured with a TCP stream in
@@ -119,7 +119,7 @@ SETUP = """## Setup
   receiver with Python sockets. Segmentation offloads stay on: tbf counts every segment of a
   64 KB super-packet with its headers, so the rate holds (the table), while with them off the
   per-packet cost on this 2-core VM caps an unshaped veth at {offloads_off:.0f} Mbit/s (measured
-  in this run), below the rates under test.
+  in this run), below the 10 Gbit/s under test.
 - Horovod: Open MPI `--mca btl tcp,self --mca btl_tcp_if_include gift0` (no shared memory), each
   rank exec'd by `ip netns exec` inside its namespace. PMIx 4 only has a TCP transport and
   listens on 127.0.0.1, which a rank in another namespace cannot reach, so mpirun's PMIx server
