@@ -268,7 +268,7 @@ class GIFT(Checkpointing, Compressor):
         if self._pending_rank_state is not False:
             self._load_rank_state(self._pending_rank_state)
         self.current.joined = not self._roll_call(device)
-        if self.current.joined:                # every tensor takes Horovod's fp32 path; nothing else runs
+        if self.current.joined:     # every tensor takes Horovod's fp32 path; nothing else runs
             self.telemetry.add(joined_steps=1)
             self.current.plain = True
             self.statistics.advance()
@@ -306,6 +306,7 @@ class GIFT(Checkpointing, Compressor):
         if self.feedback and self._scale is not None and scale != self._scale:
             self.feedback.rescale(scale / self._scale)
         self._scale = scale
+
     def _roll_call(self, device):
         """Whether every rank of the process set is in this step. A rank that has called
         hvd.join() contributes zeros to allreduces, the only collective Horovod's join supports
@@ -347,9 +348,10 @@ class GIFT(Checkpointing, Compressor):
         if self.current.exchanged:
             return
         for bucket in range(len(self.buckets)):     # a bucket whose members Horovod never sent
-            if bucket not in self.current.reductions and any(n in self.current.u for n in self.buckets[bucket]):
+            members = self.buckets[bucket]
+            if bucket not in self.current.reductions and any(n in self.current.u for n in members):
                 self._start(bucket)
-        for reduction in self.current.reductions.values():       # all second stages in flight together
+        for reduction in self.current.reductions.values():   # all second stages in flight together
             reduction.exchange()
         self.plan.start_vote()
         self.current.exchanged = True

@@ -12,23 +12,47 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import FORMATS, fp8_decode_tile, fp8_decode_torch, fp8_encode_torch, fp8_quantize_tile, tensor_scale_torch, tile_shape
+from .fp8 import (FORMATS, fp8_decode_tile, fp8_decode_torch, fp8_encode_torch, fp8_quantize_tile,
+                  tensor_scale_torch, tile_shape)
 from .hadamard import LANES, hadamard_tile, hadamard_torch, normalizer, random_signs
 from .nvfp4 import BLOCK as NVFP4_BLOCK
-from .nvfp4 import (nvfp4_decode_tile, nvfp4_decode_torch, nvfp4_quantize_blocks_torch, nvfp4_quantize_tile,
-                    nvfp4_tensor_scale_torch, nvfp4_values_torch, pack_codes_torch, pack_nibbles, unpack_codes_torch)
+from .nvfp4 import (nvfp4_decode_tile, nvfp4_decode_torch, nvfp4_quantize_blocks_torch,
+                    nvfp4_quantize_tile, nvfp4_tensor_scale_torch, nvfp4_values_torch,
+                    pack_codes_torch, pack_nibbles, unpack_codes_torch)
 from .rounding import EXACT_ARITHMETIC, blocks_torch, is_nonfinite
 
 
 @triton.jit
 def rotate_feedback_quantize_kernel(
-        x_ptr, residual_ptr, codes_ptr, scales_ptr, tensor_scale_ptr, amax_ptr, n, seed, rotation_seed, norm,
-        AMAX_ONLY: tl.constexpr, ROTATE: tl.constexpr, FEEDBACK: tl.constexpr, NVFP4: tl.constexpr,
-        PER_TENSOR: tl.constexpr, ROWS: tl.constexpr, HB: tl.constexpr, LOG2_HB: tl.constexpr, LANES: tl.constexpr,
-        QBLOCK: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr,
-        STOCHASTIC: tl.constexpr):
+    x_ptr,              # flat fp32 input, n elements
+    residual_ptr,       # flat fp32 error-feedback residual, read and rewritten (FEEDBACK)
+    codes_ptr,          # out: uint8 codes (FP8: one a byte; NVFP4: two a byte)
+    scales_ptr,         # out: per-block scales (FP8 fp32, NVFP4 E4M3 codes), unless PER_TENSOR FP8
+    tensor_scale_ptr,   # in: the tensor's scale (PER_TENSOR or NVFP4), from the AMAX_ONLY pass
+    amax_ptr,           # out (AMAX_ONLY): one amax per program, inf where a value is not finite
+    n,                  # elements
+    seed,               # stochastic rounding's seed
+    rotation_seed,      # the rotation's sign seed (ROTATE)
+    norm,               # 1 / sqrt(HB): the rotation's scale
+    AMAX_ONLY: tl.constexpr,    # first pass: only the amax of rotate(x) + r
+    ROTATE: tl.constexpr,       # apply the randomized Hadamard rotation first
+    FEEDBACK: tl.constexpr,     # add the residual, store the new error
+    NVFP4: tl.constexpr,        # NVFP4 (else FP8)
+    PER_TENSOR: tl.constexpr,   # FP8 with one scale for the tensor
+    ROWS: tl.constexpr,         # spans per program
+    HB: tl.constexpr,           # rotation block (elements one Hadamard transform mixes)
+    LOG2_HB: tl.constexpr,      # log2(HB): butterfly stages
+    LANES: tl.constexpr,        # rotation blocks interleaved in a span (1 without rotation)
+    QBLOCK: tl.constexpr,       # scale block (16 for NVFP4)
+    EBITS: tl.constexpr,        # FP8 format: exponent bits,
+    MBITS: tl.constexpr,        #   mantissa bits,
+    BIAS: tl.constexpr,         #   exponent bias,
+    MAX: tl.constexpr,          #   largest finite value
+    STOCHASTIC: tl.constexpr,   # stochastic rounding (else to nearest even)
+):
     pid = tl.program_id(0)
-    offs = (pid * ROWS + tl.arange(0, ROWS))[:, None] * (HB * LANES) + tl.arange(0, HB * LANES)[None, :]
+    span = tl.arange(0, HB * LANES)
+    offs = (pid * ROWS + tl.arange(0, ROWS))[:, None] * (HB * LANES) + span[None, :]
     mask = offs < n
     y = tl.load(x_ptr + offs, mask=mask, other=0.0)
     if ROTATE:
@@ -52,19 +76,22 @@ def rotate_feedback_quantize_kernel(
         else:
             tensor_scale = tl.load(tensor_scale_ptr) if PER_TENSOR else 0.0
             codes, scale, dequantized = fp8_quantize_tile(
-                tl.reshape(y, (QROWS, QBLOCK)), qoffs, tensor_scale, seed, PER_TENSOR, EBITS, MBITS, BIAS, MAX, STOCHASTIC)
+                tl.reshape(y, (QROWS, QBLOCK)), qoffs, tensor_scale, seed, PER_TENSOR, EBITS, MBITS,
+                BIAS, MAX, STOCHASTIC)
             tl.store(codes_ptr + qoffs, codes.to(tl.uint8), mask=qoffs < n)
             if not PER_TENSOR:
                 tl.store(scales_ptr + qrows, scale, mask=qrows * QBLOCK < n)
         if FEEDBACK:
-            tl.store(residual_ptr + offs, y - tl.reshape(dequantized, (ROWS, HB * LANES)), mask=mask)
+            dequantized = tl.reshape(dequantized, (ROWS, HB * LANES))
+            tl.store(residual_ptr + offs, y - dequantized, mask=mask)
 
 
 def _quant_block(fmt_name, block_size):
     return 16 if fmt_name == "nvfp4" else (block_size or 1024)
 
 
-def rotate_feedback_quantize_triton(x, residual, fmt_name, block_size, rotation=None, seed=0, stochastic=False):
+def rotate_feedback_quantize_triton(x, residual, fmt_name, block_size, rotation=None, seed=0,
+                                    stochastic=False):
     """x: flat fp32; residual: flat fp32 updated in place, or None. rotation: (block, seed) or None;
     the caller has checked that x.numel() is a multiple of the rotation's span (LANES blocks).
     Returns (codes, scales, tensor_scale)."""
@@ -83,29 +110,44 @@ def rotate_feedback_quantize_triton(x, residual, fmt_name, block_size, rotation=
         1 if block_size is None else nblocks, dtype=torch.float32, device=device)
     tensor_scale = torch.zeros(1, dtype=torch.float32, device=device)
     dummy = codes if residual is None else residual
-    common = dict(EXACT_ARITHMETIC, ROTATE=rotation is not None, FEEDBACK=residual is not None, NVFP4=nvfp4, PER_TENSOR=per_tensor,
-                  ROWS=rows, HB=hb, LOG2_HB=hb.bit_length() - 1, LANES=lanes, QBLOCK=qblock, EBITS=fmt.ebits, MBITS=fmt.mbits,
-                  BIAS=fmt.bias, MAX=fmt.max, STOCHASTIC=stochastic)
+    common = dict(EXACT_ARITHMETIC, ROTATE=rotation is not None, FEEDBACK=residual is not None,
+                  NVFP4=nvfp4, PER_TENSOR=per_tensor, ROWS=rows, HB=hb, LOG2_HB=hb.bit_length() - 1,
+                  LANES=lanes, QBLOCK=qblock, EBITS=fmt.ebits, MBITS=fmt.mbits, BIAS=fmt.bias,
+                  MAX=fmt.max, STOCHASTIC=stochastic)
     rotation_seed, norm = (rotation[1], normalizer(hb)) if rotation else (0, 1.0)
     if n == 0:
         return codes, scales, tensor_scale if nvfp4 else (scales if per_tensor else None)
     if per_tensor:
         partial = torch.empty(grid[0], dtype=torch.float32, device=device)
-        rotate_feedback_quantize_kernel[grid](x, dummy, codes, scales, tensor_scale, partial, n, seed, rotation_seed, norm,
-                                              AMAX_ONLY=True, **common)
+        rotate_feedback_quantize_kernel[grid](x, dummy, codes, scales, tensor_scale, partial, n,
+                                              seed, rotation_seed, norm, AMAX_ONLY=True, **common)
         scale_of = nvfp4_tensor_scale_torch if nvfp4 else (lambda a: tensor_scale_torch(a, fmt.max))
         tensor_scale = scale_of(partial.max()).reshape(1)
         if not nvfp4:
             scales = tensor_scale
-    rotate_feedback_quantize_kernel[grid](x, dummy, codes, scales, tensor_scale, tensor_scale, n, seed, rotation_seed,
-                                          norm, AMAX_ONLY=False, **common)
+    rotate_feedback_quantize_kernel[grid](x, dummy, codes, scales, tensor_scale, tensor_scale, n,
+                                          seed, rotation_seed, norm, AMAX_ONLY=False, **common)
     return codes, scales, tensor_scale if nvfp4 else None
 
 
 @triton.jit
-def accumulate_kernel(codes_ptr, scales_ptr, tensor_scales_ptr, out_ptr, n, k, codes_stride, scales_stride,
-                      NVFP4: tl.constexpr, PER_TENSOR: tl.constexpr, ROWS: tl.constexpr, QBLOCK: tl.constexpr,
-                      EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr):
+def accumulate_kernel(
+    codes_ptr,          # k payloads' codes, one row each
+    scales_ptr,         # k payloads' block scales (or per-tensor scales for FP8), one row each
+    tensor_scales_ptr,  # NVFP4: k tensor scales
+    out_ptr,            # out: the fp32 sum, n elements
+    n,                  # elements
+    k,                  # payloads, summed in row order
+    codes_stride,       # elements between two payloads' codes
+    scales_stride,      # elements between two payloads' scales
+    NVFP4: tl.constexpr,        # NVFP4 (else FP8)
+    PER_TENSOR: tl.constexpr,   # FP8 with one scale for the tensor
+    ROWS: tl.constexpr,         # scale blocks per program
+    QBLOCK: tl.constexpr,       # scale block
+    EBITS: tl.constexpr,        # FP8 format: exponent bits,
+    MBITS: tl.constexpr,        #   mantissa bits,
+    BIAS: tl.constexpr,         #   exponent bias
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = rows[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
     total = tl.zeros((ROWS, QBLOCK), tl.float32)
@@ -120,35 +162,40 @@ def accumulate_kernel(codes_ptr, scales_ptr, tensor_scales_ptr, out_ptr, n, k, c
 
 
 def accumulate_triton(codes, scales, tensor_scales, n, fmt_name, block_size, out=None):
-    """codes (k, bytes), scales (k, nscales), tensor_scales (k,) or None: the fp32 sum of k payloads,
-    into out (n contiguous fp32 elements) if given."""
+    """codes (k, bytes), scales (k, nscales), tensor_scales (k,) or None: the fp32 sum of k
+    payloads, into out (n contiguous fp32 elements) if given."""
     nvfp4 = fmt_name == "nvfp4"
     qblock = _quant_block(fmt_name, block_size)
     fmt = FORMATS.get(fmt_name, FORMATS["fp8_e4m3"])
     out = torch.empty(n, dtype=torch.float32, device=codes.device) if out is None else out
     if n:
         block, rows, grid = tile_shape(n, qblock)
-        accumulate_kernel[grid](codes, scales, scales if tensor_scales is None else tensor_scales, out, n,
-                                codes.shape[0], codes.stride(0), scales.stride(0), **EXACT_ARITHMETIC, NVFP4=nvfp4,
-                                PER_TENSOR=block_size is None, ROWS=rows, QBLOCK=qblock,
-                                EBITS=fmt.ebits, MBITS=fmt.mbits, BIAS=fmt.bias)
+        tensor_scales = scales if tensor_scales is None else tensor_scales
+        accumulate_kernel[grid](codes, scales, tensor_scales, out, n, codes.shape[0],
+                                codes.stride(0), scales.stride(0), **EXACT_ARITHMETIC,
+                                NVFP4=nvfp4, PER_TENSOR=block_size is None, ROWS=rows,
+                                QBLOCK=qblock, EBITS=fmt.ebits, MBITS=fmt.mbits, BIAS=fmt.bias)
     return out
 
 
 # ---------------------------------------------------------------- torch references (the CPU path)
 def quantize_stage(y, residual, fmt_name, block_size, seed=0, stochastic=False):
-    """y (+ residual) -> unpacked codes, scales, tensor scale; the residual becomes the new error."""
+    """y (+ residual) -> unpacked codes, scales, tensor scale; the residual becomes the new
+    error."""
     if residual is not None:
         y = y + residual
-    if fmt_name == "nvfp4":     # the tensor's amax is the largest block amax: one reduction pass, not two
+    if fmt_name == "nvfp4":
+        # the tensor's amax is the largest block amax: one reduction pass, not two
         blocks = blocks_torch(y, NVFP4_BLOCK)
         block_amax = blocks.abs().amax(dim=1)
-        tensor_scale = nvfp4_tensor_scale_torch(_finite_or_inf(block_amax.amax() if y.numel() else
-                                                               torch.zeros((), device=y.device))).reshape(1)
-        codes, scales, values = nvfp4_quantize_blocks_torch(blocks, block_amax, tensor_scale, seed, stochastic)
+        amax = block_amax.amax() if y.numel() else torch.zeros((), device=y.device)
+        tensor_scale = nvfp4_tensor_scale_torch(_finite_or_inf(amax)).reshape(1)
+        codes, scales, values = nvfp4_quantize_blocks_torch(blocks, block_amax, tensor_scale, seed,
+                                                            stochastic)
         if residual is not None and residual.dim() == 2:         # (blocks, 16) rows, as y
             residual.copy_(blocks - values)
-        elif residual is not None:   # a padded last block: values from the codes (recomputing them would need a temporary)
+        elif residual is not None:
+            # a padded last block: values from the codes (recomputing them needs a temporary)
             residual.copy_(y - nvfp4_values_torch(codes, scales, tensor_scale)[:y.numel()])
         return codes, scales, tensor_scale
     amax = None
