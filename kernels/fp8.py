@@ -1,4 +1,5 @@
-"""FP8 (E4M3 / E5M2) quantization with an fp32 scale per block or per tensor: kernels and references.
+"""FP8 (E4M3 / E5M2) quantization with an fp32 scale per block or per tensor: kernels and
+references.
 
     scale = amax / MAX  (per block of BLOCK elements, or given per tensor)
     code  = round(x / scale) to the format, saturated at MAX;   x_hat = value(code) * scale
@@ -9,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import (E4M3, E5M2, EXACT_ARITHMETIC, FloatFormat, blocks_torch, decode_float, encode_float,
-                       encode_float_torch, is_nonfinite, uniform_hash,
+from .rounding import (E4M3, E5M2, EXACT_ARITHMETIC, FloatFormat, blocks_torch, decode_float,
+                       encode_float, encode_float_torch, is_nonfinite, uniform_hash,
                        uniform_hash_torch)
 
 NAN_BITS = tl.constexpr(0x7FC00000)
@@ -18,8 +19,18 @@ FORMATS = {"fp8_e4m3": E4M3, "fp8_e5m2": E5M2}
 
 
 @triton.jit
-def fp8_quantize_tile(y, offs, tensor_scale, seed, PER_TENSOR: tl.constexpr, EBITS: tl.constexpr,
-                      MBITS: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr, STOCHASTIC: tl.constexpr):
+def fp8_quantize_tile(
+    y,                  # (ROWS, BLOCK) fp32 tile, one scale block a row
+    offs,               # its element indices (stochastic rounding's noise)
+    tensor_scale,       # the tensor's scale (PER_TENSOR)
+    seed,               # stochastic rounding's seed
+    PER_TENSOR: tl.constexpr,   # one scale for the tensor (else one a row)
+    EBITS: tl.constexpr,        # format: exponent bits,
+    MBITS: tl.constexpr,        #   mantissa bits,
+    BIAS: tl.constexpr,         #   exponent bias,
+    MAX: tl.constexpr,          #   largest finite value
+    STOCHASTIC: tl.constexpr,   # stochastic rounding (else to nearest even)
+):
     """Quantize a (ROWS, BLOCK) tile: returns codes, per-row scales and the dequantized tile."""
     if PER_TENSOR:
         scale = tl.zeros((y.shape[0],), tl.float32) + tensor_scale
@@ -41,24 +52,47 @@ def fp8_quantize_tile(y, offs, tensor_scale, seed, PER_TENSOR: tl.constexpr, EBI
 
 
 @triton.jit
-def fp8_encode_kernel(x_ptr, codes_ptr, scales_ptr, tensor_scale_ptr, n, seed,
-                      BLOCK: tl.constexpr, ROWS: tl.constexpr, PER_TENSOR: tl.constexpr,
-                      EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr,
-                      STOCHASTIC: tl.constexpr):
+def fp8_encode_kernel(
+    x_ptr,              # flat fp32 input
+    codes_ptr,          # out: one uint8 code an element
+    scales_ptr,         # out: one fp32 scale a block (not PER_TENSOR)
+    tensor_scale_ptr,   # in: the tensor's scale (PER_TENSOR)
+    n,                  # elements
+    seed,               # stochastic rounding's seed
+    BLOCK: tl.constexpr,        # scale block (a row of the tile)
+    ROWS: tl.constexpr,         # blocks per program
+    PER_TENSOR: tl.constexpr,   # one scale for the tensor
+    EBITS: tl.constexpr,        # format: exponent bits,
+    MBITS: tl.constexpr,        #   mantissa bits,
+    BIAS: tl.constexpr,         #   exponent bias,
+    MAX: tl.constexpr,          #   largest finite value
+    STOCHASTIC: tl.constexpr,   # stochastic rounding (else to nearest even)
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     tensor_scale = tl.load(tensor_scale_ptr) if PER_TENSOR else 0.0
-    codes, scale, _ = fp8_quantize_tile(x, offs, tensor_scale, seed, PER_TENSOR, EBITS, MBITS, BIAS, MAX, STOCHASTIC)
+    codes, scale, _ = fp8_quantize_tile(x, offs, tensor_scale, seed, PER_TENSOR, EBITS, MBITS, BIAS,
+                                        MAX, STOCHASTIC)
     tl.store(codes_ptr + offs, codes.to(tl.uint8), mask=mask)
     if not PER_TENSOR:
         tl.store(scales_ptr + rows, scale, mask=rows * BLOCK < n)
 
 
 @triton.jit
-def fp8_decode_tile(codes_ptr, scales_ptr, rows, offs, n, BLOCK: tl.constexpr, PER_TENSOR: tl.constexpr,
-                    EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr):
+def fp8_decode_tile(
+    codes_ptr,          # uint8 codes
+    scales_ptr,         # fp32 scales: one a block, or one for the tensor (PER_TENSOR)
+    rows,               # the tile's block indices
+    offs,               # the tile's element indices
+    n,                  # elements
+    BLOCK: tl.constexpr,        # scale block
+    PER_TENSOR: tl.constexpr,   # one scale for the tensor
+    EBITS: tl.constexpr,        # format: exponent bits,
+    MBITS: tl.constexpr,        #   mantissa bits,
+    BIAS: tl.constexpr,         #   exponent bias,
+):
     codes = tl.load(codes_ptr + offs, mask=offs < n, other=0)
     if PER_TENSOR:
         scale = tl.load(scales_ptr + rows * 0)
@@ -68,16 +102,28 @@ def fp8_decode_tile(codes_ptr, scales_ptr, rows, offs, n, BLOCK: tl.constexpr, P
 
 
 @triton.jit
-def fp8_decode_kernel(codes_ptr, scales_ptr, out_ptr, n, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                      PER_TENSOR: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr):
+def fp8_decode_kernel(
+    codes_ptr,          # uint8 codes
+    scales_ptr,         # fp32 scales: one a block, or one for the tensor (PER_TENSOR)
+    out_ptr,            # out: fp32 values
+    n,                  # elements
+    BLOCK: tl.constexpr,        # scale block
+    ROWS: tl.constexpr,         # blocks per program
+    PER_TENSOR: tl.constexpr,   # one scale for the tensor
+    EBITS: tl.constexpr,        # format: exponent bits,
+    MBITS: tl.constexpr,        #   mantissa bits,
+    BIAS: tl.constexpr,         #   exponent bias,
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    values = fp8_decode_tile(codes_ptr, scales_ptr, rows, offs, n, BLOCK, PER_TENSOR, EBITS, MBITS, BIAS)
+    values = fp8_decode_tile(codes_ptr, scales_ptr, rows, offs, n, BLOCK, PER_TENSOR, EBITS, MBITS,
+                             BIAS)
     tl.store(out_ptr + offs, values, mask=offs < n)
 
 
 def tile_shape(n, block_size):
-    """(BLOCK, ROWS, grid) for a flat tensor of n elements; per-tensor scaling uses 1024-wide rows."""
+    """(BLOCK, ROWS, grid) for a flat tensor of n elements; per-tensor scaling uses 1024-wide
+    rows."""
     block = block_size or 1024
     rows = max(1, min(64, 4096 // block))
     return block, rows, (triton.cdiv(triton.cdiv(n, block), rows),)
@@ -89,10 +135,12 @@ def fp8_encode_triton(x, fmt: FloatFormat, block_size, tensor_scale=None, seed=0
     codes = torch.empty(n, dtype=torch.uint8, device=x.device)
     block, rows, grid = tile_shape(n, block_size)
     per_tensor = block_size is None
-    scales = tensor_scale.reshape(1) if per_tensor else torch.empty(triton.cdiv(n, block), dtype=torch.float32, device=x.device)
+    scales = (tensor_scale.reshape(1) if per_tensor else
+              torch.empty(triton.cdiv(n, block), dtype=torch.float32, device=x.device))
     if n:
-        fp8_encode_kernel[grid](x, codes, scales, scales, n, seed, **EXACT_ARITHMETIC, BLOCK=block, ROWS=rows, PER_TENSOR=per_tensor,
-                                EBITS=fmt.ebits, MBITS=fmt.mbits, BIAS=fmt.bias, MAX=fmt.max, STOCHASTIC=stochastic)
+        fp8_encode_kernel[grid](x, codes, scales, scales, n, seed, **EXACT_ARITHMETIC, BLOCK=block,
+                                ROWS=rows, PER_TENSOR=per_tensor, EBITS=fmt.ebits, MBITS=fmt.mbits,
+                                BIAS=fmt.bias, MAX=fmt.max, STOCHASTIC=stochastic)
     return codes, scales
 
 
@@ -101,8 +149,9 @@ def fp8_decode_triton(codes, scales, fmt: FloatFormat, block_size, out=None):
     out = torch.empty(n, dtype=torch.float32, device=codes.device) if out is None else out
     block, rows, grid = tile_shape(n, block_size)
     if n:
-        fp8_decode_kernel[grid](codes, scales, out, n, **EXACT_ARITHMETIC, BLOCK=block, ROWS=rows, PER_TENSOR=block_size is None,
-                                EBITS=fmt.ebits, MBITS=fmt.mbits, BIAS=fmt.bias)
+        fp8_decode_kernel[grid](codes, scales, out, n, **EXACT_ARITHMETIC, BLOCK=block, ROWS=rows,
+                                PER_TENSOR=block_size is None, EBITS=fmt.ebits, MBITS=fmt.mbits,
+                                BIAS=fmt.bias)
     return out
 
 
@@ -119,13 +168,14 @@ def fp8_encode_torch(x, fmt: FloatFormat, block_size, tensor_scale=None, seed=0,
         scales, blocks = tensor_scale.reshape(1).to(torch.float32), x.view(1, n)
     else:
         blocks = blocks_torch(x, block_size)
-        amax = blocks.abs().amax(dim=1)          # NaN or inf exactly where the block holds a non-finite value
+        amax = blocks.abs().amax(dim=1)   # NaN or inf exactly where the block is not finite
         scales = torch.where(torch.isfinite(amax), amax / fmt.max, float("nan"))
     s = scales[:, None]
     usable = (s > 0) & (s < float("inf"))
     v = torch.where(usable, blocks / torch.where(usable, s, 1.0), 0.0)
     if stochastic:
-        codes = encode_float_torch(v, fmt, uniform_hash_torch(seed, torch.arange(v.numel(), device=x.device)).view_as(v))
+        noise = uniform_hash_torch(seed, torch.arange(v.numel(), device=x.device)).view_as(v)
+        codes = encode_float_torch(v, fmt, noise)
         return codes.to(torch.uint8).reshape(-1)[:n], scales
     # round-to-nearest-even with saturation is exactly torch's own cast after clamping
     dtype = torch.float8_e4m3fn if fmt is E4M3 else torch.float8_e5m2

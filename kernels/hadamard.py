@@ -39,7 +39,13 @@ def random_signs(seed, offs):
 
 
 @triton.jit
-def hadamard_tile(x, ROWS: tl.constexpr, HB: tl.constexpr, LOG2_HB: tl.constexpr, COLUMNS: tl.constexpr):
+def hadamard_tile(
+    x,                          # (ROWS, HB * COLUMNS) fp32 tile
+    ROWS: tl.constexpr,         # rows of the tile
+    HB: tl.constexpr,           # rotation block
+    LOG2_HB: tl.constexpr,      # log2(HB): butterfly stages
+    COLUMNS: tl.constexpr,      # blocks side by side in a row
+):
     """Unnormalized Walsh-Hadamard transforms of a (ROWS, HB * COLUMNS) tile whose element
     (r, i * COLUMNS + c) is entry i of block c of row r."""
     for st in tl.static_range(LOG2_HB):
@@ -51,14 +57,27 @@ def hadamard_tile(x, ROWS: tl.constexpr, HB: tl.constexpr, LOG2_HB: tl.constexpr
 
 
 @triton.jit
-def hadamard_kernel(x_ptr, out_ptr, start, n, seed, norm, INVERSE: tl.constexpr, ROWS: tl.constexpr,
-                    HB: tl.constexpr, LOG2_HB: tl.constexpr, LANES: tl.constexpr, COLUMNS: tl.constexpr):
+def hadamard_kernel(
+    x_ptr,              # flat fp32 input
+    out_ptr,            # out: flat fp32 (may be x_ptr: a program loads its blocks before storing)
+    start,              # first element of the segment rotated
+    n,                  # elements of the segment, a multiple of HB * LANES
+    seed,               # the signs' seed
+    norm,               # 1 / sqrt(HB)
+    INVERSE: tl.constexpr,      # undo the rotation (signs after the transform)
+    ROWS: tl.constexpr,         # tile rows per program
+    HB: tl.constexpr,           # rotation block
+    LOG2_HB: tl.constexpr,      # log2(HB): butterfly stages
+    LANES: tl.constexpr,        # blocks interleaved in a span
+    COLUMNS: tl.constexpr,      # of those, blocks in one tile row
+):
     """Rotates elements [start, start + n) of x, n a multiple of HB * LANES. A row of the tile is
     COLUMNS of the LANES interleaved blocks of one span (all of them when they fit a tile)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     span, first = rows // (LANES // COLUMNS), rows % (LANES // COLUMNS) * COLUMNS
     within = tl.arange(0, HB * COLUMNS)
-    offs = (start + span * (HB * LANES) + first)[:, None] + (within // COLUMNS * LANES + within % COLUMNS)[None, :]
+    lane_offs = within // COLUMNS * LANES + within % COLUMNS
+    offs = (start + span * (HB * LANES) + first)[:, None] + lane_offs[None, :]
     mask = (rows < n // (HB * COLUMNS))[:, None]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     signs = random_signs(seed, offs)
@@ -97,8 +116,9 @@ def hadamard_triton(x, block, seed, inverse=False, out=None):
         columns = max(1, min(lanes, TILE // b))
         rows = max(1, min(64, TILE // (b * columns)))
         grid = (triton.cdiv(length // (b * columns), rows),)
-        hadamard_kernel[grid](x, out, start, length, seed, normalizer(b), **EXACT_ARITHMETIC, INVERSE=inverse,
-                              ROWS=rows, HB=b, LOG2_HB=b.bit_length() - 1, LANES=lanes, COLUMNS=columns)
+        hadamard_kernel[grid](x, out, start, length, seed, normalizer(b), **EXACT_ARITHMETIC,
+                              INVERSE=inverse, ROWS=rows, HB=b, LOG2_HB=b.bit_length() - 1,
+                              LANES=lanes, COLUMNS=columns)
     return out
 
 
@@ -110,14 +130,16 @@ def hadamard_rows_torch(x, norm=1.0, signs=None):
     h = 1
     while h < b:
         y = x.view(rows, b // (2 * h), 2, h, lanes)
-        x = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2).view(rows, b, lanes)
+        x = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
+        x = x.view(rows, b, lanes)
         h *= 2
     x = x * norm
     return x if signs is None else x * signs
 
 
 def random_signs_torch(seed, start, length, device):
-    """+-1 as int8: a quarter of the memory traffic of fp32 signs, and x * sign is exact either way."""
+    """+-1 as int8: a quarter of the memory traffic of fp32 signs, and x * sign is exact either
+    way."""
     u = uniform_hash_torch(seed, torch.arange(start, start + length, device=device))
     return torch.where(u < 0.5, -1, 1).to(torch.int8)
 
@@ -126,8 +148,11 @@ def hadamard_torch(x, block, seed, inverse=False, signs=None):
     """signs: random_signs_torch(seed, 0, x.numel()) when the caller already has them."""
     if signs is None:
         signs = random_signs_torch(seed, 0, x.numel(), x.device)
-    pieces = [hadamard_blocks_torch(x[start:start + length].view(-1, b, lanes), signs[start:start + length].view(-1, b, lanes),
-                                    b, inverse).reshape(-1) for start, length, b, lanes in segments(x.numel(), block)]
+    pieces = []
+    for start, length, b, lanes in segments(x.numel(), block):
+        part = slice(start, start + length)
+        pieces.append(hadamard_blocks_torch(x[part].view(-1, b, lanes),
+                                            signs[part].view(-1, b, lanes), b, inverse).reshape(-1))
     return torch.cat(pieces) if len(pieces) > 1 else (pieces[0] if pieces else x.clone())
 
 

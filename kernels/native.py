@@ -325,7 +325,8 @@ FP8_QUANTIZE = {(f, s, t, name): make_fp8_quantize(f, s, t, fmt) for f in (False
 # The two E2M1 values of each byte (low nibble first), as one int64 of their fp32 bits: a byte
 # decodes with one load and one contiguous store.
 _E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
-E2M1_PAIRS = np.stack([np.tile(_E2M1, 16), np.repeat(_E2M1, 16)], axis=1).copy().view(np.int64)[:, 0].copy()
+E2M1_PAIRS = (np.stack([np.tile(_E2M1, 16), np.repeat(_E2M1, 16)], axis=1).copy()
+              .view(np.int64)[:, 0].copy())
 # The decoders take whole (k, ...) payload arrays and a range [first, last) of tiles: a row of
 # a C-contiguous 2D array sliced inside the kernel is a contiguous 1D view indexed from 0, which
 # LLVM vectorizes; a (k, part) slice taken outside would be a strided 2D view, which it does not.

@@ -10,8 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import (E2M1, E4M3, EXACT_ARITHMETIC, blocks_torch, decode_e2m1_torch, decode_float, encode_float, encode_float_torch, round_e2m1_nearest_torch,
-                       uniform_hash, uniform_hash_torch)
+from .rounding import (E2M1, E4M3, EXACT_ARITHMETIC, blocks_torch, decode_e2m1_torch, decode_float,
+                       encode_float, encode_float_torch, round_e2m1_nearest_torch, uniform_hash,
+                       uniform_hash_torch)
 
 BLOCK = 16
 # The kernels spell the two formats out as (ebits, mbits, bias, max) literals: E4M3 = (4, 3, 7,
@@ -53,19 +54,35 @@ def unpack_nibbles(packed, ROWS: tl.constexpr):
 
 
 @triton.jit
-def nvfp4_encode_kernel(x_ptr, packed_ptr, scale_codes_ptr, tensor_scale_ptr, n, seed,
-                        ROWS: tl.constexpr, STOCHASTIC: tl.constexpr):
+def nvfp4_encode_kernel(
+    x_ptr,              # flat fp32 input
+    packed_ptr,         # out: E2M1 codes, two a byte (even element in the low nibble)
+    scale_codes_ptr,    # out: one E4M3 scale code per 16-element block
+    tensor_scale_ptr,   # in: the tensor's fp32 scale
+    n,                  # elements
+    seed,               # stochastic rounding's seed
+    ROWS: tl.constexpr,         # blocks per program
+    STOCHASTIC: tl.constexpr,   # stochastic rounding (else to nearest even)
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = rows[:, None] * 16 + tl.arange(0, 16)[None, :]
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-    codes, scale_codes, _ = nvfp4_quantize_tile(x, offs, tl.load(tensor_scale_ptr), seed, STOCHASTIC)
+    tensor_scale = tl.load(tensor_scale_ptr)
+    codes, scale_codes, _ = nvfp4_quantize_tile(x, offs, tensor_scale, seed, STOCHASTIC)
     byte_offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
     tl.store(packed_ptr + byte_offs, pack_nibbles(codes, ROWS), mask=byte_offs * 2 < n)
     tl.store(scale_codes_ptr + rows, scale_codes.to(tl.uint8), mask=rows * 16 < n)
 
 
 @triton.jit
-def nvfp4_decode_tile(packed_ptr, scale_codes_ptr, tensor_scale_ptr, rows, n, ROWS: tl.constexpr):
+def nvfp4_decode_tile(
+    packed_ptr,         # E2M1 codes, two a byte
+    scale_codes_ptr,    # E4M3 scale codes, one a block
+    tensor_scale_ptr,   # the tensor's fp32 scale
+    rows,               # the tile's block indices
+    n,                  # elements
+    ROWS: tl.constexpr,         # blocks in the tile
+):
     byte_offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
     packed = tl.load(packed_ptr + byte_offs, mask=byte_offs * 2 < n, other=0)
     scale_codes = tl.load(scale_codes_ptr + rows, mask=rows * 16 < n, other=0)
@@ -74,7 +91,14 @@ def nvfp4_decode_tile(packed_ptr, scale_codes_ptr, tensor_scale_ptr, rows, n, RO
 
 
 @triton.jit
-def nvfp4_decode_kernel(packed_ptr, scale_codes_ptr, tensor_scale_ptr, out_ptr, n, ROWS: tl.constexpr):
+def nvfp4_decode_kernel(
+    packed_ptr,         # E2M1 codes, two a byte
+    scale_codes_ptr,    # E4M3 scale codes, one a block
+    tensor_scale_ptr,   # the tensor's fp32 scale
+    out_ptr,            # out: fp32 values
+    n,                  # elements
+    ROWS: tl.constexpr,         # blocks per program
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = rows[:, None] * 16 + tl.arange(0, 16)[None, :]
     values = nvfp4_decode_tile(packed_ptr, scale_codes_ptr, tensor_scale_ptr, rows, n, ROWS)
@@ -99,14 +123,16 @@ def nvfp4_decode_triton(packed, scale_codes, tensor_scale, n, out=None):
     out = torch.empty(n, dtype=torch.float32, device=packed.device) if out is None else out
     if n:
         grid = (triton.cdiv(n, BLOCK * ROWS_PER_PROGRAM),)
-        nvfp4_decode_kernel[grid](packed, scale_codes, tensor_scale, out, n, **EXACT_ARITHMETIC, ROWS=ROWS_PER_PROGRAM)
+        nvfp4_decode_kernel[grid](packed, scale_codes, tensor_scale, out, n, **EXACT_ARITHMETIC,
+                                  ROWS=ROWS_PER_PROGRAM)
     return out
 
 
 # ---------------------------------------------------------------- torch references (the CPU path)
 def nvfp4_tensor_scale_torch(amax):
     amax = amax.to(torch.float32)
-    return torch.where(torch.isfinite(amax), amax / TENSOR_SCALE_DIVISOR, torch.full_like(amax, float("nan")))
+    nan = torch.full_like(amax, float("nan"))
+    return torch.where(torch.isfinite(amax), amax / TENSOR_SCALE_DIVISOR, nan)
 
 
 def nvfp4_block_denominators(scale_codes, tensor_scale):
@@ -116,14 +142,16 @@ def nvfp4_block_denominators(scale_codes, tensor_scale):
 def nvfp4_codes_torch(x, tensor_scale, seed=0, stochastic=False):
     """Unpacked E2M1 codes (uint8, one per element, padded to whole blocks) and E4M3 scale codes."""
     blocks = blocks_torch(x, BLOCK)
-    codes, scale_codes, _ = nvfp4_quantize_blocks_torch(blocks, blocks.abs().amax(dim=1), tensor_scale, seed, stochastic)
+    codes, scale_codes, _ = nvfp4_quantize_blocks_torch(blocks, blocks.abs().amax(dim=1),
+                                                        tensor_scale, seed, stochastic)
     return codes, scale_codes
 
 
 def nvfp4_quantize_blocks_torch(blocks, block_amax, tensor_scale, seed=0, stochastic=False):
     """Codes (uint8, flat), scale codes and dequantized values (blocks' shape) of (blocks, 16) rows
     whose amax per row the caller has (it also gives the tensor's amax: one pass over the data for
-    both). The values come with the codes, not from them: no second pass over data, codes, scales."""
+    both). The values come with the codes, not from them: no second pass over data, codes,
+    scales."""
     tensor_scale = tensor_scale.to(torch.float32).reshape(())
     t_usable = (tensor_scale > 0) & (tensor_scale < float("inf"))
     ratio = torch.where(t_usable, block_amax / (tensor_scale * 6.0), 0.0)
@@ -133,7 +161,8 @@ def nvfp4_quantize_blocks_torch(blocks, block_amax, tensor_scale, seed=0, stocha
     v = blocks / torch.where((denom > 0) & (denom < float("inf")), denom, float("inf"))[:, None]
     if stochastic:
         v = torch.nan_to_num(v, nan=0.0)     # non-finite only where the tensor scale is unusable
-        codes = encode_float_torch(v, E2M1, uniform_hash_torch(seed, torch.arange(v.numel(), device=blocks.device)).view_as(v))
+        noise = uniform_hash_torch(seed, torch.arange(v.numel(), device=blocks.device)).view_as(v)
+        codes = encode_float_torch(v, E2M1, noise)
         values = decode_e2m1_torch(codes)
     else:
         codes, values = round_e2m1_nearest_torch(v)
@@ -152,16 +181,20 @@ def nvfp4_values_torch(codes, scale_codes, tensor_scale):
 # Packing works on 8 codes at once, seen as one little-endian int64 word (x86 and ARM alike):
 # contiguous integer ops on whole tensors instead of gathers of even and odd elements.
 def pack_words_torch(words):
-    """int32 words of packed bytes from int64 words of 8 codes each (even code in the low nibble)."""
+    """int32 words of packed bytes from int64 words of 8 codes each (even code in the low
+    nibble)."""
     pairs = words | (words >> 4)        # byte 2k now holds codes 2k and 2k + 1
-    packed = (pairs & 0xFF) | ((pairs >> 8) & 0xFF00) | ((pairs >> 16) & 0xFF0000) | ((pairs >> 24) & 0xFF000000)
-    return ((packed ^ 0x80000000) - 0x80000000).to(torch.int32)     # sign-extended, so the cast is exact
+    packed = ((pairs & 0xFF) | ((pairs >> 8) & 0xFF00) | ((pairs >> 16) & 0xFF0000)
+              | ((pairs >> 24) & 0xFF000000))
+    # sign-extended, so the cast is exact
+    return ((packed ^ 0x80000000) - 0x80000000).to(torch.int32)
 
 
 def unpack_words_torch(words):
     """int64 words of 8 codes each from int32 words of packed bytes."""
     spread = words.to(torch.int64) & 0xFFFFFFFF
-    spread = (spread & 0xFF) | ((spread & 0xFF00) << 8) | ((spread & 0xFF0000) << 16) | ((spread & 0xFF000000) << 24)
+    spread = ((spread & 0xFF) | ((spread & 0xFF00) << 8) | ((spread & 0xFF0000) << 16)
+              | ((spread & 0xFF000000) << 24))
     return (spread & 0x000F000F000F000F) | ((spread << 4) & 0x0F000F000F000F00)
 
 
@@ -171,7 +204,8 @@ def pack_codes_torch(codes, n):
 
 
 def unpack_codes_torch(packed):
-    """Codes, one a byte, of packed bytes (..., bytes): rows padded to whole words, so a few more."""
+    """Codes, one a byte, of packed bytes (..., bytes): rows padded to whole words, so a few
+    more."""
     pad = -packed.shape[-1] % 4
     if pad or packed.data_ptr() % 4 or not packed.is_contiguous():  # pieces start anywhere
         padded = torch.zeros(*packed.shape[:-1], packed.shape[-1] + pad, dtype=torch.uint8,

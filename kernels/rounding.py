@@ -1,8 +1,10 @@
-"""Exact-arithmetic rounding to small floating-point formats, as Triton helpers and their torch twins.
+"""Exact-arithmetic rounding to small floating-point formats, as Triton helpers and their torch
+twins.
 
 Both sides round the same way with the same fp32 operations, so they give the same bits in the
-Triton interpreter, compiled on a GPU, in torch, and in the CPU's native kernels (native.py). Triton's own fp8
-casts are wrong in the interpreter (ties, carries, saturation), so no kernel relies on them.
+Triton interpreter, compiled on a GPU, in torch, and in the CPU's native kernels (native.py).
+Triton's own fp8 casts are wrong in the interpreter (ties, carries, saturation), so no kernel
+relies on them.
 
 A format is (EBITS, MBITS, BIAS, MAX): E4M3 = (4, 3, 7, 448), E5M2 = (5, 2, 15, 57344),
 E2M1 = (2, 1, 1, 6). Its smallest normal exponent is 1 - BIAS. Values are rounded to nearest
@@ -74,7 +76,8 @@ def is_nonfinite(x):
 @triton.jit
 def encode_float(v, noise, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
                  MAX: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """Codes (int32, sign in bit EBITS+MBITS) of finite fp32 values v; noise in [0, 1) if STOCHASTIC."""
+    """Codes (int32, sign in bit EBITS+MBITS) of finite fp32 values v; noise in [0, 1) if
+    STOCHASTIC."""
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 31) & 1
     a = tl.abs(v)
@@ -113,7 +116,8 @@ def blocks_torch(x, block_size):
     pad = -x.numel() % block_size
     if pad:
         x = torch.nn.functional.pad(x, (0, pad))
-    return x.view(-1, block_size)     # the rows' count as n // block_size, the form other views of x take
+    # the rows' count as n // block_size, the form other views of x take
+    return x.view(-1, block_size)
 
 
 def pow2_torch(e):
@@ -162,7 +166,8 @@ def round_e2m1_nearest_torch(v):
     One rounding with a per-range multiplier, and NaN sent to 0 by comparisons (nan_to_num compiles
     to a scalar loop): the quantize stage with error feedback runs in 28-32 ms instead of 42-47 (1e7
     elements). The codes equal encode_float_torch(v, E2M1) for finite v; the values are
-    decode_e2m1_torch's of them, computed here so the error-feedback residual needs no pass over the codes."""
+    decode_e2m1_torch's of them, computed here so the error-feedback residual needs no pass over
+    the codes."""
     a = v.abs()
     a = torch.where(a < 6.0, a, torch.where(a >= 6.0, 6.0, 0.0))   # NaN compares false both ways
     low, mid = a < 2.0, a < 4.0
@@ -170,7 +175,7 @@ def round_e2m1_nearest_torch(v):
     code = (units + torch.where(low, 0.0, torch.where(mid, 2.0, 4.0))).to(torch.int32)
     negative = (v < 0) & (code > 0)
     code = torch.where(negative, code + 8, code)
-    value = units * torch.where(low, 0.5, torch.where(mid, 1.0, 2.0))     # units times the step: exact
+    value = units * torch.where(low, 0.5, torch.where(mid, 1.0, 2.0))   # units x the step: exact
     return code, torch.where(negative, -value, value)
 
 
