@@ -23,7 +23,11 @@ def read_corpus(path=None, max_bytes=4_000_000):
         p = pathlib.Path(path)
         if not p.exists():
             raise FileNotFoundError(f"--data {path}: no such file or directory")
-        files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.suffix in TEXT_SUFFIXES and f.is_file())
+        files = (
+            [p]
+            if p.is_file()
+            else sorted(f for f in p.rglob("*") if f.suffix in TEXT_SUFFIXES and f.is_file())
+        )
     chunks, total = [], 0
     for f in files:
         data = f.read_bytes()[: max_bytes - total]
@@ -33,7 +37,10 @@ def read_corpus(path=None, max_bytes=4_000_000):
             break
     corpus = b"".join(chunks)
     if len(corpus) < 1024:
-        raise ValueError(f"corpus from {path or 'the standard library'} has only {len(corpus)} bytes; need at least 1024")
+        raise ValueError(
+            f"corpus from {path or 'the standard library'} has only {len(corpus)} bytes; "
+            "need at least 1024"
+        )
     return torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
 
 
@@ -48,13 +55,17 @@ class ByteBatches:
         self.seed, self.rank, self.step = seed, rank, step
 
     def _windows(self, data, generator):
-        starts = torch.randint(0, len(data) - self.seq_len - 1, (self.batch_size,), generator=generator)
+        starts = torch.randint(
+            0, len(data) - self.seq_len - 1, (self.batch_size,), generator=generator
+        )
         idx = starts[:, None] + torch.arange(self.seq_len + 1)
         w = data[idx].long()
         return w[:, :-1], w[:, 1:]
 
     def next(self):
-        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.rank) * 1_000_003 + self.step)
+        generator = torch.Generator().manual_seed(
+            (self.seed * 1_000_003 + self.rank) * 1_000_003 + self.step
+        )
         self.step += 1
         return self._windows(self.train, generator)
 

@@ -49,7 +49,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin):
         b, t, _ = x.shape
-        q, k, v = (w(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k, v = (
+            w(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+            for w in (self.wq, self.wk, self.wv)
+        )
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
@@ -95,7 +98,7 @@ class Llama(nn.Module):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, cos, sin)
-        logits = self.norm(x) @ self.embed.weight.t()   # tied output projection
+        logits = self.norm(x) @ self.embed.weight.t()  # tied output projection
         if targets is None:
             return logits
         return logits, F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,12 +1,13 @@
 """Data-parallel pretraining of a small Llama on a byte-level corpus, with Horovod.
 
-    horovodrun -np 2 -H localhost:2 python examples/train_llama.py --steps 200 --compression gift-nvfp4
+    horovodrun -np 2 -H localhost:2 python examples/train_llama.py --compression gift-nvfp4
 
 Rank 0 shows a progress bar, logs loss, tokens/s and bits per gradient element, and writes a CSV.
 On a GPU cluster, `--device cuda` puts each rank on its local GPU (hvd.local_rank()) and runs the
 forward and backward passes under bf16 autocast where the GPU supports bf16; parameters,
 gradients and GIFT's state stay fp32 on the GPU.
 """
+
 import argparse
 import contextlib
 import csv
@@ -25,21 +26,34 @@ from data import ByteBatches, read_corpus  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
 
 # fp8 / nvfp4: the same codec and collective as gift-*, without a transform; gift-*: GIFT's defaults
-COMPRESSIONS = {"none": None, "fp16": None, "fp8": ("fp8_e4m3", "none"), "nvfp4": ("nvfp4", "none"),
-                "gift-fp8": ("fp8_e4m3", None), "gift-nvfp4": ("nvfp4", None)}
+COMPRESSIONS = {
+    "none": None,
+    "fp16": None,
+    "fp8": ("fp8_e4m3", "none"),
+    "nvfp4": ("nvfp4", "none"),
+    "gift-fp8": ("fp8_e4m3", None),
+    "gift-nvfp4": ("nvfp4", None),
+}
 
 
-def make_compression(name, model, bucket_elements=1 << 22, error_feedback=True, log_every=0,
-                     start_step=0):
+def make_compression(
+    name, model, bucket_elements=1 << 22, error_feedback=True, log_every=0, start_step=0
+):
     if name == "none":
         return hvd.Compression.none, None
     if name == "fp16":
         return hvd.Compression.fp16, None
     format, transform = COMPRESSIONS[name]
     options = {} if transform is None else {"transform": transform}
-    compressor = gift.GIFT(model, format=format, bucket_elements=bucket_elements,
-                           error_feedback=error_feedback, log_every=log_every,
-                           start_step=start_step, **options)
+    compressor = gift.GIFT(
+        model,
+        format=format,
+        bucket_elements=bucket_elements,
+        error_feedback=error_feedback,
+        log_every=log_every,
+        start_step=start_step,
+        **options,
+    )
     return compressor, compressor
 
 
@@ -50,11 +64,17 @@ def bits_per_element(name, compressor):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--compression", default="gift-nvfp4", choices=list(COMPRESSIONS))
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", default=None, help="text file or directory (default: the Python standard library's source)")
+    p.add_argument(
+        "--data",
+        default=None,
+        help="text file or directory (default: the Python standard library's source)",
+    )
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=128)
@@ -62,31 +82,56 @@ def parse_args(argv=None):
     p.add_argument("--bucket-elements", type=int, default=1 << 22, help="GIFT bucket size")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--no-error-feedback", action="store_true", help="GIFT without error feedback")
-    p.add_argument("--log-every", type=int, default=0, help="GIFT logs a line every N steps on rank 0")
-    p.add_argument("--start-step", type=int, default=0, help="GIFT's warm-up: fp32 before this step")
-    p.add_argument("--eval-every", type=int, default=0,
-                   help="held-out loss every N steps (and at the end) on --eval-batches fixed batches")
+    p.add_argument(
+        "--log-every", type=int, default=0, help="GIFT logs a line every N steps on rank 0"
+    )
+    p.add_argument(
+        "--start-step", type=int, default=0, help="GIFT's warm-up: fp32 before this step"
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="held-out loss every N steps (and at the end) on --eval-batches fixed batches",
+    )
     p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--gradient-error", action="store_true",
-                   help="log the RelL2 of each step's averaged gradient against an exact fp32 average "
-                        "(one more fp32 allreduce a step: for studies)")
-    p.add_argument("--gradient-error-by-tensor", action="store_true",
-                   help="with --gradient-error: print each tensor's mean RelL2 and share of the "
-                        "gradient's energy at the end (rank 0)")
+    p.add_argument(
+        "--gradient-error",
+        action="store_true",
+        help="log the RelL2 of each step's averaged gradient against an exact fp32 average "
+        "(one more fp32 allreduce a step: for studies)",
+    )
+    p.add_argument(
+        "--gradient-error-by-tensor",
+        action="store_true",
+        help="with --gradient-error: print each tensor's mean RelL2 and share of the "
+        "gradient's energy at the end (rank 0)",
+    )
     p.add_argument("--csv", default=None, help="write per-step metrics here (rank 0)")
-    p.add_argument("--checkpoint", default=None, help="save here at the end (and every --save-every steps)")
+    p.add_argument(
+        "--checkpoint", default=None, help="save here at the end (and every --save-every steps)"
+    )
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--resume", default=None, help="checkpoint to continue from")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="cuda: each rank on GPU hvd.local_rank(), bf16 autocast where supported")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cuda: each rank on GPU hvd.local_rank(), bf16 autocast where supported",
+    )
     return p.parse_args(argv)
 
 
 def build_model(args, device):
     """The model of --dim and --layers (also built by benchmarks/peers_worker.py)."""
-    cfg = LlamaConfig(dim=args.dim, n_layers=args.layers, n_heads=max(1, args.dim // 32),
-                      hidden_dim=(8 * args.dim // 3 + 7) // 8 * 8, max_seq_len=args.seq_len)
+    cfg = LlamaConfig(
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=max(1, args.dim // 32),
+        hidden_dim=(8 * args.dim // 3 + 7) // 8 * 8,
+        max_seq_len=args.seq_len,
+    )
     return Llama(cfg).to(device)
 
 
@@ -106,12 +151,19 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     device, autocast = place(args.device)
     model = build_model(args, device)
-    compression, compressor = make_compression(args.compression, model, args.bucket_elements,
-                                               not args.no_error_feedback, args.log_every,
-                                               args.start_step)
+    compression, compressor = make_compression(
+        args.compression,
+        model,
+        args.bucket_elements,
+        not args.no_error_feedback,
+        args.log_every,
+        args.start_step,
+    )
     optimizer = make_optimizer(model, args.lr)
     # wrap first: DistributedOptimizer builds a new optimizer object, which would drop loaded state
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compression)
+    optimizer = hvd.DistributedOptimizer(
+        optimizer, named_parameters=model.named_parameters(), compression=compression
+    )
     start_step = 0
     if args.resume:
         ckpt = torch.load(args.resume, map_location="cpu", weights_only=False)
@@ -122,8 +174,14 @@ def main(argv=None):
         start_step = ckpt["step"]
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    batches = ByteBatches(read_corpus(args.data), args.seq_len, args.batch_size, seed=args.seed, rank=hvd.rank(),
-                          step=start_step)
+    batches = ByteBatches(
+        read_corpus(args.data),
+        args.seq_len,
+        args.batch_size,
+        seed=args.seed,
+        rank=hvd.rank(),
+        step=start_step,
+    )
     schedule = make_schedule(optimizer)
     for _ in range(start_step):
         schedule.step()
@@ -132,6 +190,7 @@ def main(argv=None):
     bar = None
     if rank0 and not args.quiet:
         from tqdm import tqdm
+
         bar = tqdm(total=args.steps, initial=start_step, unit="step", dynamic_ncols=True)
     rows, losses = [], []
     exact = ExactAverage(model) if args.gradient_error or args.gradient_error_by_tensor else None
@@ -158,29 +217,49 @@ def main(argv=None):
         dt = time.perf_counter() - t0
         mean_loss = hvd.allreduce(loss.detach(), name="train.loss").item()
         losses.append(mean_loss)
-        if compressor is not None:      # split of the step: codec work, waiting on the network, the rest
+        if (
+            compressor is not None
+        ):  # split of the step: codec work, waiting on the network, the rest
             after = compressor.stats()
             codec = after["codec_seconds"] - before["codec_seconds"]
             wait = after["wait_seconds"] - before["wait_seconds"]
         else:
             codec, wait = 0.0, in_step  # Horovod's synchronize() inside optimizer.step()
-        row = {"step": step + 1, "loss": mean_loss, "tokens_per_s": tokens_per_step / dt,
-               "bits_per_element": bits_per_element(args.compression, compressor), "seconds": dt,
-               "codec_seconds": codec, "wait_seconds": wait, "compute_seconds": dt - codec - wait}
+        row = {
+            "step": step + 1,
+            "loss": mean_loss,
+            "tokens_per_s": tokens_per_step / dt,
+            "bits_per_element": bits_per_element(args.compression, compressor),
+            "seconds": dt,
+            "codec_seconds": codec,
+            "wait_seconds": wait,
+            "compute_seconds": dt - codec - wait,
+        }
         if exact is not None:
             row["gradient_rel_l2"] = gradient_error
         if args.eval_every:
             last = step + 1 == args.steps
-            row["heldout_loss"] = (heldout_loss(model, batches, args, device, autocast)
-                                   if last or (step + 1) % args.eval_every == 0 else "")
+            row["heldout_loss"] = (
+                heldout_loss(model, batches, args, device, autocast)
+                if last or (step + 1) % args.eval_every == 0
+                else ""
+            )
         rows.append(row)
         if rank0:
             if bar is not None:
-                bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", bits=f"{row['bits_per_element']:.2f}")
+                bar.set_postfix(
+                    loss=f"{mean_loss:.4f}",
+                    tok_s=f"{row['tokens_per_s']:.0f}",
+                    bits=f"{row['bits_per_element']:.2f}",
+                )
                 bar.update(1)
             else:
-                print(f"step {step + 1:5d}  loss {mean_loss:.4f}  tokens/s {row['tokens_per_s']:.0f}  "
-                      f"bits/elem {row['bits_per_element']:.2f}", flush=True)
+                print(
+                    f"step {step + 1:5d}  loss {mean_loss:.4f}  "
+                    f"tokens/s {row['tokens_per_s']:.0f}  "
+                    f"bits/elem {row['bits_per_element']:.2f}",
+                    flush=True,
+                )
         if args.checkpoint and args.save_every and (step + 1) % args.save_every == 0:
             save_checkpoint(args.checkpoint, model, optimizer, compressor, step + 1)
     if bar is not None:
@@ -195,7 +274,10 @@ def main(argv=None):
     if rank0 and exact is not None and args.gradient_error_by_tensor:
         print(exact.by_tensor(), flush=True)
     if rank0 and losses:
-        print(summary(args, losses, compressor, time.perf_counter() - t_start, len(losses)), flush=True)
+        print(
+            summary(args, losses, compressor, time.perf_counter() - t_start, len(losses)),
+            flush=True,
+        )
     return losses
 
 
@@ -211,12 +293,15 @@ class ExactAverage:
         self.local = {}
         self.sums = {}  # index -> [sum over steps of RelL2, of squared norm, steps]
         for i, p in enumerate(self.params):
-            p.register_hook(lambda g, i=i: self.local.__setitem__(i, g.detach().to(torch.float32, copy=True)))
+            p.register_hook(
+                lambda g, i=i: self.local.__setitem__(i, g.detach().to(torch.float32, copy=True))
+            )
 
     def relative_error(self):
         indices = sorted(self.local)
-        reference = hvd.grouped_allreduce([self.local[i] for i in indices], op=hvd.Average,
-                                          name="train.exact_average")
+        reference = hvd.grouped_allreduce(
+            [self.local[i] for i in indices], op=hvd.Average, name="train.exact_average"
+        )
         err2 = norm2 = 0.0
         for i, ref in zip(indices, reference):
             e = float((self.params[i].grad.double() - ref.double()).square().sum())
@@ -270,14 +355,20 @@ def place(device):
 
 def summary(args, losses, compressor, seconds, steps):
     n = hvd.size()
-    text = (f"done: {steps} steps on {n} ranks in {seconds:.1f}s with --compression {args.compression}; "
-            f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    text = (
+        f"done: {steps} steps on {n} ranks in {seconds:.1f}s "
+        f"with --compression {args.compression}; "
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+    )
     if compressor is not None:
         s = compressor.stats()
-        fp32_bytes = 2 * (n - 1) / n * 4 * s["elements"]          # a ring allreduce of fp32 gradients
+        fp32_bytes = 2 * (n - 1) / n * 4 * s["elements"]  # a ring allreduce of fp32 gradients
         sent = s["bytes_sent"] + 2 * (n - 1) / n * 4 * s["uncompressed_elements"]
-        text += (f"\nbytes sent per rank: {sent / 1e6:.2f} MB vs {fp32_bytes / 1e6:.2f} MB for fp32 "
-                 f"({fp32_bytes / max(sent, 1):.1f}x less); {s['bits_per_element']:.2f} bits per gradient element")
+        text += (
+            f"\nbytes sent per rank: {sent / 1e6:.2f} MB vs {fp32_bytes / 1e6:.2f} MB for fp32 "
+            f"({fp32_bytes / max(sent, 1):.1f}x less); "
+            f"{s['bits_per_element']:.2f} bits per gradient element"
+        )
     return text
 
 
