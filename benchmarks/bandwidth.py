@@ -39,23 +39,61 @@ def shaped_namespace(name, rate):
 
 def run_arm(namespace, arm, args, out_dir, rate):
     csv_path = out_dir / f"{rate}-{arm}.csv"
-    command = ["ip", "netns", "exec", namespace, "mpirun", "-np", "2", "--allow-run-as-root", "--oversubscribe",
-               "--bind-to", "none", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo",
-               "--mca", "oob_tcp_if_include", "lo", "-x", "OMP_NUM_THREADS=1",
-               str(ROOT / ".venv" / "bin" / "python"), str(ROOT / "examples" / "train_llama.py"),
-               "--compression", arm, "--steps", str(args.steps), "--dim", str(args.dim), "--layers", str(args.layers),
-               "--seq-len", "64", "--batch-size", "4", "--quiet", "--csv", str(csv_path)]
+    command = [
+        "ip",
+        "netns",
+        "exec",
+        namespace,
+        "mpirun",
+        "-np",
+        "2",
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        "--mca",
+        "btl",
+        "tcp,self",
+        "--mca",
+        "btl_tcp_if_include",
+        "lo",
+        "--mca",
+        "oob_tcp_if_include",
+        "lo",
+        "-x",
+        "OMP_NUM_THREADS=1",
+        str(ROOT / ".venv" / "bin" / "python"),
+        str(ROOT / "examples" / "train_llama.py"),
+        "--compression",
+        arm,
+        "--steps",
+        str(args.steps),
+        "--dim",
+        str(args.dim),
+        "--layers",
+        str(args.layers),
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "4",
+        "--quiet",
+        "--csv",
+        str(csv_path),
+    ]
     with open(out_dir / f"{rate}-{arm}.log", "w") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     with open(csv_path) as f:
-        rows = list(csv.DictReader(f))[1:]                   # the first step warms up (loads the kernels)
-    med = lambda key: statistics.median(float(r[key]) for r in rows)   # noqa: E731
+        rows = list(csv.DictReader(f))[1:]  # the first step warms up (loads the kernels)
+    med = lambda key: statistics.median(float(r[key]) for r in rows)  # noqa: E731
     return {k: med(k) for k in ("seconds", "compute_seconds", "codec_seconds", "wait_seconds")} | {
-        "bits": float(rows[-1]["bits_per_element"])}
+        "bits": float(rows[-1]["bits_per_element"])
+    }
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "10gbit"])
     p.add_argument("--arms", nargs="+", default=ARMS)
     p.add_argument("--steps", type=int, default=8)
@@ -63,7 +101,10 @@ def main():
     p.add_argument("--layers", type=int, default=2)
     args = p.parse_args()
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
-        print("bandwidth.py needs root and iproute2 (ip, tc) to shape a network namespace: nothing measured")
+        print(
+            "bandwidth.py needs root and iproute2 (ip, tc) to shape a network namespace: "
+            "nothing measured"
+        )
         return 0
     out_dir = ROOT / "runs" / "bandwidth"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -75,25 +116,38 @@ def main():
             for arm in args.arms:
                 results[rate, arm] = run_arm(namespace, arm, args, out_dir, rate)
                 r = results[rate, arm]
-                print(f"{rate} {arm}: step {r['seconds']:.3f}s (compute {r['compute_seconds']:.3f}, codec "
-                      f"{r['codec_seconds']:.3f}, wait {r['wait_seconds']:.3f})", flush=True)
+                print(
+                    f"{rate} {arm}: step {r['seconds']:.3f}s "
+                    f"(compute {r['compute_seconds']:.3f}, codec "
+                    f"{r['codec_seconds']:.3f}, wait {r['wait_seconds']:.3f})",
+                    flush=True,
+                )
         finally:
             sh("ip", "netns", "del", namespace)
     params = "dim {}, {} layers".format(args.dim, args.layers)
-    lines = [f"# Step time on a bandwidth-capped link ({time.strftime('%Y-%m-%d')})", "",
-             f"examples/train_llama.py ({params}, batch 4 x 64 bytes per rank), 2 ranks in one network namespace whose "
-             "loopback (MTU 1500) is shaped by `tc qdisc tbf`; MPI on TCP over that loopback; both ranks' traffic "
-             f"shares the one filter. Medians over steps 2..{args.steps}. Command: `.venv/bin/python "
-             f"benchmarks/bandwidth.py --steps {args.steps}` (as root).", "",
-             "| rate | arm | step (s) | compute (s) | codec (s) | waiting (s) | bits/elem | speedup vs none |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Step time on a bandwidth-capped link ({time.strftime('%Y-%m-%d')})",
+        "",
+        f"examples/train_llama.py ({params}, batch 4 x 64 bytes per rank), 2 ranks in one "
+        "network namespace whose loopback (MTU 1500) is shaped by `tc qdisc tbf`; MPI on TCP over "
+        "that loopback; both ranks' traffic "
+        f"shares the one filter. Medians over steps 2..{args.steps}. Command: `.venv/bin/python "
+        f"benchmarks/bandwidth.py --steps {args.steps}` (as root).",
+        "",
+        "| rate | arm | step (s) | compute (s) | codec (s) | waiting (s) | bits/elem "
+        "| speedup vs none |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for rate in args.rates:
         base = results.get((rate, "none"))
         for arm in args.arms:
             r = results[rate, arm]
             speedup = f"{base['seconds'] / r['seconds']:.2f}x" if base else "-"
-            lines.append(f"| {rate} | {arm} | {r['seconds']:.3f} | {r['compute_seconds']:.3f} | {r['codec_seconds']:.3f} "
-                         f"| {r['wait_seconds']:.3f} | {r['bits']:.2f} | {speedup} |")
+            lines.append(
+                f"| {rate} | {arm} | {r['seconds']:.3f} | {r['compute_seconds']:.3f} "
+                f"| {r['codec_seconds']:.3f} "
+                f"| {r['wait_seconds']:.3f} | {r['bits']:.2f} | {speedup} |"
+            )
     text = "\n".join(lines) + "\n"
     (ROOT / "benchmarks" / "results" / "bandwidth.md").write_text(text)
     print(text)

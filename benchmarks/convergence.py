@@ -126,41 +126,55 @@ def main():
         for arm in args.arms:
             results[(arm, seed)] = run(arm, seed, args, out_dir)
     base = "fp32"
-    lines = [f"# Convergence, paired over seeds ({time.strftime('%Y-%m-%d')})", "",
-             "Command: `.venv/bin/python benchmarks/convergence.py " + shlex.join(sys.argv[1:]) + "`",
-             "", f"examples/train_llama.py, dim {args.dim}, {args.layers} layers, {args.steps} "
-             f"steps, AdamW lr {args.lr} (20 warm-up steps), {args.ranks} ranks on one 2-core "
-             f"machine, batch 16 x 128 bytes per rank; seeds {args.seeds} (each: initialization "
-             "and data order, shared by all arms). Held-out loss: mean over "
-             f"{args.eval_batches} fixed held-out batches at the last step. Difference: mean "
-             "over seeds of (arm - fp32) with a 95 % confidence interval (t over seeds); "
-             "negative is better. Gradient RelL2: ||averaged gradient - exact fp32 average|| / "
-             "||exact||, mean over all steps and seeds. gift-* = GIFT's defaults (transform "
-             "whiten); nvfp4 = the same codec and collective with transform none.", "",
-             "| arm | held-out loss | vs fp32 (95 % CI) | gradient RelL2 | bits/element | "
-             "step time (s) |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"# Convergence, paired over seeds ({time.strftime('%Y-%m-%d')})",
+        "",
+        "Command: `.venv/bin/python benchmarks/convergence.py " + shlex.join(sys.argv[1:]) + "`",
+        "",
+        f"examples/train_llama.py, dim {args.dim}, {args.layers} layers, {args.steps} "
+        f"steps, AdamW lr {args.lr} (20 warm-up steps), {args.ranks} ranks on one 2-core "
+        f"machine, batch 16 x 128 bytes per rank; seeds {args.seeds} (each: initialization "
+        "and data order, shared by all arms). Held-out loss: mean over "
+        f"{args.eval_batches} fixed held-out batches at the last step. Difference: mean "
+        "over seeds of (arm - fp32) with a 95 % confidence interval (t over seeds); "
+        "negative is better. Gradient RelL2: ||averaged gradient - exact fp32 average|| / "
+        "||exact||, mean over all steps and seeds. gift-* = GIFT's defaults (transform "
+        "whiten); nvfp4 = the same codec and collective with transform none.",
+        "",
+        "| arm | held-out loss | vs fp32 (95 % CI) | gradient RelL2 | bits/element | "
+        "step time (s) |",
+        "|---|---|---|---|---|---|",
+    ]
     for arm in args.arms:
         finals = [results[(arm, s)]["final"] for s in args.seeds]
         mean_final = sum(finals) / len(finals)
         if arm == base or base not in args.arms:
             diff = "-"
         else:
-            d, h = interval([results[(arm, s)]["final"] - results[(base, s)]["final"]
-                             for s in args.seeds])
+            d, h = interval(
+                [results[(arm, s)]["final"] - results[(base, s)]["final"] for s in args.seeds]
+            )
             diff = f"{d:+.4f} ({d - h:+.4f} .. {d + h:+.4f})"
         grad = [g for s in args.seeds for g in results[(arm, s)]["gradient"]]
         seconds = sum(results[(arm, s)]["seconds"] for s in args.seeds)
         step_time = seconds / (len(args.seeds) * args.steps)
-        lines.append(f"| {arm} | {mean_final:.4f} | {diff} | {sum(grad) / len(grad):.2e} | "
-                     f"{results[(arm, args.seeds[0])]['bits']:.2f} | {step_time:.3f} |")
-    pairs = [("gift-nvfp4 no-EF", "nvfp4 no-EF"), ("gift-nvfp4 EF", "nvfp4 EF"),
-             ("nvfp4 EF", "nvfp4 no-EF"), ("gift-nvfp4 EF", "gift-nvfp4 no-EF"),
-             ("gift-nvfp4 EF warm-up 50", "gift-nvfp4 EF")]
+        lines.append(
+            f"| {arm} | {mean_final:.4f} | {diff} | {sum(grad) / len(grad):.2e} | "
+            f"{results[(arm, args.seeds[0])]['bits']:.2f} | {step_time:.3f} |"
+        )
+    pairs = [
+        ("gift-nvfp4 no-EF", "nvfp4 no-EF"),
+        ("gift-nvfp4 EF", "nvfp4 EF"),
+        ("nvfp4 EF", "nvfp4 no-EF"),
+        ("gift-nvfp4 EF", "gift-nvfp4 no-EF"),
+        ("gift-nvfp4 EF warm-up 50", "gift-nvfp4 EF"),
+    ]
     lines += ["", "Paired differences between compressed arms (held-out loss, 95 % CI):", ""]
     for a, b in pairs:
         if a in args.arms and b in args.arms:
-            d, h = interval([results[(a, s)]["final"] - results[(b, s)]["final"]
-                             for s in args.seeds])
+            d, h = interval(
+                [results[(a, s)]["final"] - results[(b, s)]["final"] for s in args.seeds]
+            )
             lines.append(f"- {a} - {b}: {d:+.4f} ({d - h:+.4f} .. {d + h:+.4f})")
     png = pathlib.Path(args.out).with_suffix(".png")
     lines += ["", f"![held-out loss and gradient error]({png.name})"]

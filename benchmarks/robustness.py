@@ -1,12 +1,13 @@
 """Robustness campaign: bad input, rank disagreement and crashes, on 2 and 4 real MPI ranks.
 
-    python benchmarks/robustness.py                 # launches mpirun itself; prints the summary table
+    python benchmarks/robustness.py       # launches mpirun itself; prints the summary table
     python benchmarks/robustness.py --nps 2 --md results/robustness.md
 
 Every case runs on every rank of one mpirun job and is judged on rank 0 from all ranks' outcomes:
-  ok                 gradients bit-identical on every rank, finite where every rank's input was finite
-                     and within the format's error bound of the exact fp64 average, non-finite where a
-                     rank's input was; or, where an error is the defined outcome, every rank raised it
+  ok                 gradients bit-identical on every rank, finite where every rank's input
+                     was finite and within the format's error bound of the exact fp64
+                     average, non-finite where a rank's input was; or, where an error is the
+                     defined outcome, every rank raised it
   silent corruption  ranks differ, a finite result is off by more than the bound, a non-finite input
                      came back finite, or a case that must raise did not
   rank disagreement  some ranks raised and others did not (a real job would desynchronize)
@@ -14,6 +15,7 @@ Every case runs on every rank of one mpirun job and is judged on rank 0 from all
   hang               the case did not finish within --case-timeout (the watchdog kills the job)
 A crash case per rank count checks that a rank raising mid-step ends the job non-zero in time.
 """
+
 import argparse
 import json
 import os
@@ -27,8 +29,8 @@ import traceback
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 CODECS = [("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", 32), ("nvfp4", None)]
-# Relative L2 error of one step's averaged gradient (error feedback included) allowed before a result
-# counts as corrupted: about 2x the largest value measured over the cases of that format
+# Relative L2 error of one step's averaged gradient (error feedback included) allowed before a
+# result counts as corrupted: about 2x the largest value measured over the cases of that format
 # (results/robustness.md). Forced whitening has its own, looser bounds: with factors from earlier
 # batches it puts error where those batches' inputs had little energy, so it is large in Euclidean
 # terms (NVFP4: about 1.2); those bounds only catch gross corruption.
@@ -51,55 +53,150 @@ def all_cases():
         codec = fmt + (f"/{block}" if block else "")
         kw = dict(format=fmt, block_size=block)
         for transform in ("none", "hadamard", "whiten", "whiten+hadamard", "auto"):
-            out.append(("clean steps", f"{codec} {transform}", lambda kw=kw, t=transform: train(dict(kw, transform=t))))
+            out.append(
+                (
+                    "clean steps",
+                    f"{codec} {transform}",
+                    lambda kw=kw, t=transform: train(dict(kw, transform=t)),
+                )
+            )
         for value in ("nan", "inf", "-inf"):
-            out.append(("non-finite on one rank", f"{codec} {value} at step 1",
-                        lambda kw=kw, v=value: train(kw, poison=float(v))))
-        out.append(("non-finite on one rank", f"{codec} nan, nonfinite=raise",
-                    lambda kw=kw: expect_error(lambda: train(dict(kw, nonfinite="raise"), poison=float("nan")),
-                                               "is not finite")))
+            out.append(
+                (
+                    "non-finite on one rank",
+                    f"{codec} {value} at step 1",
+                    lambda kw=kw, v=value: train(kw, poison=float(v)),
+                )
+            )
+        out.append(
+            (
+                "non-finite on one rank",
+                f"{codec} nan, nonfinite=raise",
+                lambda kw=kw: expect_error(
+                    lambda: train(dict(kw, nonfinite="raise"), poison=float("nan")), "is not finite"
+                ),
+            )
+        )
         for scale in (1e30, 1e-30):
-            out.append(("extreme magnitudes", f"{codec} gradients x{scale:g}", lambda kw=kw, s=scale: train(kw, scale=s)))
-        out.append(("extreme magnitudes", f"{codec} all-zero gradients", lambda kw=kw: train(kw, scale=0.0)))
-        out.append(("missing and late gradients", f"{codec} no gradient for the MLP on rank 0",
-                    lambda kw=kw: train(kw, skip_mlp_on_rank0=True)))
-        out.append(("missing and late gradients", f"{codec} frozen layer made trainable at step 1",
-                    lambda kw=kw: train(kw, unfreeze_at=1)))
+            out.append(
+                (
+                    "extreme magnitudes",
+                    f"{codec} gradients x{scale:g}",
+                    lambda kw=kw, s=scale: train(kw, scale=s),
+                )
+            )
+        out.append(
+            (
+                "extreme magnitudes",
+                f"{codec} all-zero gradients",
+                lambda kw=kw: train(kw, scale=0.0),
+            )
+        )
+        out.append(
+            (
+                "missing and late gradients",
+                f"{codec} no gradient for the MLP on rank 0",
+                lambda kw=kw: train(kw, skip_mlp_on_rank0=True),
+            )
+        )
+        out.append(
+            (
+                "missing and late gradients",
+                f"{codec} frozen layer made trainable at step 1",
+                lambda kw=kw: train(kw, unfreeze_at=1),
+            )
+        )
         for dtype in ("float16", "bfloat16", "float64"):
-            out.append(("parameter dtypes", f"{codec} {dtype}", lambda kw=kw, d=dtype: train(kw, dtype=d)))
-        out.append(("odd sizes", f"{codec} 0, 1, 15, 17, 2^20+3 elements, non-contiguous",
-                    lambda kw=kw: train(dict(kw, min_elements=1), odd_sizes=True)))
-    mismatches = [("format", "nvfp4", "fp8_e4m3"), ("transform", "auto", "none"), ("block_size", None, 32),
-                  ("seed", 0, 1), ("rounding", "nearest", "stochastic"), ("error_feedback", True, False),
-                  ("min_elements", 1024, 4096), ("refresh_every", 50, 10)]
+            out.append(
+                ("parameter dtypes", f"{codec} {dtype}", lambda kw=kw, d=dtype: train(kw, dtype=d))
+            )
+        out.append(
+            (
+                "odd sizes",
+                f"{codec} 0, 1, 15, 17, 2^20+3 elements, non-contiguous",
+                lambda kw=kw: train(dict(kw, min_elements=1), odd_sizes=True),
+            )
+        )
+    mismatches = [
+        ("format", "nvfp4", "fp8_e4m3"),
+        ("transform", "auto", "none"),
+        ("block_size", None, 32),
+        ("seed", 0, 1),
+        ("rounding", "nearest", "stochastic"),
+        ("error_feedback", True, False),
+        ("min_elements", 1024, 4096),
+        ("refresh_every", 50, 10),
+    ]
     for field, a, b in mismatches:
-        out.append(("ranks disagree", f"{field} {a!r} vs {b!r}",
-                    lambda f=field, a=a, b=b: expect_error(lambda: train({"format": "fp8_e4m3", f: a if rank() % 2 else b}),
-                                                           f"differs across ranks in {f}")))
-    out.append(("ranks disagree", "model shapes differ", lambda: expect_error(
-        lambda: train(dict(format="nvfp4"), hidden=172 if rank() == 0 else 160), "differs across ranks in model")))
-    out.append(("ranks disagree", "compressor state loaded on rank 0 only", lambda: expect_error(
-        lambda: train(dict(format="nvfp4"), load_on_rank0=True), "differs across ranks in step")))
-    out.append(("misuse", "plain optimizer on a GIFT model", lambda: expect_error(
-        lambda: train(dict(format="nvfp4"), plain_optimizer=True), "with no Horovod wrapper")))
+        out.append(
+            (
+                "ranks disagree",
+                f"{field} {a!r} vs {b!r}",
+                lambda f=field, a=a, b=b: expect_error(
+                    lambda: train({"format": "fp8_e4m3", f: a if rank() % 2 else b}),
+                    f"differs across ranks in {f}",
+                ),
+            )
+        )
+    out.append(
+        (
+            "ranks disagree",
+            "model shapes differ",
+            lambda: expect_error(
+                lambda: train(dict(format="nvfp4"), hidden=172 if rank() == 0 else 160),
+                "differs across ranks in model",
+            ),
+        )
+    )
+    out.append(
+        (
+            "ranks disagree",
+            "compressor state loaded on rank 0 only",
+            lambda: expect_error(
+                lambda: train(dict(format="nvfp4"), load_on_rank0=True),
+                "differs across ranks in step",
+            ),
+        )
+    )
+    out.append(
+        (
+            "misuse",
+            "plain optimizer on a GIFT model",
+            lambda: expect_error(
+                lambda: train(dict(format="nvfp4"), plain_optimizer=True), "with no Horovod wrapper"
+            ),
+        )
+    )
     return out
 
 
 def rank():
     import horovod.torch as hvd
+
     return hvd.rank()
 
 
 def expect_error(run, pattern):
     try:
         run()
-    except Exception as e:                      # judged below: the message must be the defined one
+    except Exception as e:  # judged below: the message must be the defined one
         return {"error": f"{type(e).__name__}: {e}", "expected": pattern}
     return {"error": None, "expected": pattern}
 
 
-def train(gift_kwargs, steps=3, poison=None, scale=1.0, skip_mlp_on_rank0=False, unfreeze_at=None, dtype="float32",
-          odd_sizes=False, hidden=172, load_on_rank0=False, plain_optimizer=False):
+def train(
+    gift_kwargs,
+    steps=3,
+    poison=None,
+    scale=1.0,
+    skip_mlp_on_rank0=False,
+    unfreeze_at=None,
+    dtype="float32",
+    odd_sizes=False,
+    hidden=172,
+    load_on_rank0=False,
+    plain_optimizer=False,
+):
     """A few steps of a one-block Llama (plus odd-sized parameters if asked); returns, per step and
     parameter, the averaged gradient and every rank's local one, for judge()."""
     import torch
@@ -119,25 +216,41 @@ def train(gift_kwargs, steps=3, poison=None, scale=1.0, skip_mlp_on_rank0=False,
         late.requires_grad_(False)
     compression = gift.GIFT(model, verbose=False, **gift_kwargs)
     base = torch.optim.SGD(model.parameters(), lr=0.05)
-    opt = base if plain_optimizer else hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                                                compression=compression)
+    opt = (
+        base
+        if plain_optimizer
+        else hvd.DistributedOptimizer(
+            base, named_parameters=model.named_parameters(), compression=compression
+        )
+    )
     if load_on_rank0:
-        state = dict(compression.state_dict(), step=5)      # collective: every rank saves
+        state = dict(compression.state_dict(), step=5)  # collective: every rank saves
         if hvd.rank() == 0:
             compression.load_state_dict(state)
     data = ByteBatches(CORPUS, seq_len=32, batch_size=4, rank=hvd.rank())
     names = {p: n for n, p in model.named_parameters()}
     if odd_sizes:
-        model.odd[3].register_hook(lambda g: g.view(1, -1).expand(2, -1)[0])      # a non-contiguous gradient
+        model.odd[3].register_hook(
+            lambda g: g.view(1, -1).expand(2, -1)[0]
+        )  # a non-contiguous gradient
     history = []
     for step in range(steps):
         if step == unfreeze_at:
             late.requires_grad_(True)
         hooks, local = [], {}
-        if poison is not None and step == 1 and hvd.rank() == hvd.size() - 1:      # before the capture below
-            hooks.append(block.attn.wq.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([2]), poison)))
-        hooks += [p.register_hook(lambda g, n=n: local.__setitem__(n, g.detach().clone()))
-                  for p, n in names.items() if p.requires_grad]
+        if (
+            poison is not None and step == 1 and hvd.rank() == hvd.size() - 1
+        ):  # before the capture below
+            hooks.append(
+                block.attn.wq.weight.register_hook(
+                    lambda g: g.index_fill(0, torch.tensor([2]), poison)
+                )
+            )
+        hooks += [
+            p.register_hook(lambda g, n=n: local.__setitem__(n, g.detach().clone()))
+            for p, n in names.items()
+            if p.requires_grad
+        ]
         x, y = data.next()
         opt.zero_grad()
         if skip_mlp_on_rank0 and hvd.rank() == 0:
@@ -146,7 +259,9 @@ def train(gift_kwargs, steps=3, poison=None, scale=1.0, skip_mlp_on_rank0=False,
         if skip_mlp_on_rank0 and hvd.rank() == 0:
             del block.mlp.forward
         if odd_sizes:
-            flat = torch.randn((1 << 20) + 3, generator=torch.Generator().manual_seed(step * 7 + hvd.rank()))
+            flat = torch.randn(
+                (1 << 20) + 3, generator=torch.Generator().manual_seed(step * 7 + hvd.rank())
+            )
             loss = loss + sum((w * flat[: w.numel()]).square().sum() for w in model.odd) * 1e-6
         (loss.float() * scale).backward()
         for h in hooks:
@@ -155,18 +270,30 @@ def train(gift_kwargs, steps=3, poison=None, scale=1.0, skip_mlp_on_rank0=False,
             opt.step()
             continue
         opt.synchronize()
-        history.append({n: (p.grad.detach().clone() if p.grad is not None else None,
-                            local.get(n, torch.zeros_like(p))) for p, n in names.items() if p.requires_grad})
+        history.append(
+            {
+                n: (
+                    p.grad.detach().clone() if p.grad is not None else None,
+                    local.get(n, torch.zeros_like(p)),
+                )
+                for p, n in names.items()
+                if p.requires_grad
+            }
+        )
         with opt.skip_synchronize():
             opt.step()
     whitened = gift_kwargs.get("transform", "whiten").startswith("whiten")
-    return {"history": history, "bound": (WHITENED_BOUNDS if whitened else BOUNDS)[gift_kwargs["format"]]}
+    return {
+        "history": history,
+        "bound": (WHITENED_BOUNDS if whitened else BOUNDS)[gift_kwargs["format"]],
+    }
 
 
 def judge(outcome):
     """Verdict of one case from every rank's outcome (runs on every rank; rank 0 reports it)."""
     import torch
     from mpi4py import MPI
+
     comm = MPI.COMM_WORLD
     everyone = comm.allgather(outcome.get("raised") or outcome.get("error"))
     expected = outcome.get("expected")
@@ -182,25 +309,47 @@ def judge(outcome):
     for step, grads in enumerate(outcome["history"]):
         for name, (avg, local) in grads.items():
             exact = sum(comm.allgather(local.double())) / comm.size
-            if avg is None or len(set(comm.allgather(avg.contiguous().view(-1).view(torch.uint8).numpy().tobytes()))) != 1:
+            if (
+                avg is None
+                or len(
+                    set(
+                        comm.allgather(
+                            avg.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                        )
+                    )
+                )
+                != 1
+            ):
                 return "silent corruption", f"step {step} {name}: ranks differ"
             if not torch.isfinite(exact).all():
                 if torch.isfinite(avg).all():
-                    return "silent corruption", f"step {step} {name}: a rank's non-finite gradient came back finite"
+                    return (
+                        "silent corruption",
+                        f"step {step} {name}: a rank's non-finite gradient came back finite",
+                    )
                 continue
             if not torch.isfinite(avg).all():
-                return "silent corruption", f"step {step} {name}: finite inputs came back non-finite"
+                return (
+                    "silent corruption",
+                    f"step {step} {name}: finite inputs came back non-finite",
+                )
             norm = exact.norm()
-            err = float((avg.double() - exact).norm() / norm) if norm > 0 else float((avg != 0).any())
+            err = (
+                float((avg.double() - exact).norm() / norm) if norm > 0 else float((avg != 0).any())
+            )
             worst = max(worst, err)
             if err > bound:
-                return "silent corruption", f"step {step} {name}: relative error {err:.3g} > {bound}"
+                return (
+                    "silent corruption",
+                    f"step {step} {name}: relative error {err:.3g} > {bound}",
+                )
     return "ok", f"worst relative error {worst:.3g}"
 
 
 def worker(args):
     import horovod.torch as hvd
     from data import read_corpus
+
     global CORPUS
     hvd.init()
     CORPUS = read_corpus(max_bytes=200_000)
@@ -211,7 +360,7 @@ def worker(args):
     for index, (category, name, run) in enumerate(cases(args.only)):
         if index < args.start:
             continue
-        if hvd.rank() == 0:      # written whole, then renamed: the watchdog never reads half a file
+        if hvd.rank() == 0:  # written whole, then renamed: the watchdog never reads half a file
             (out / "progress.tmp").write_text(json.dumps({"index": index, "since": time.time()}))
             os.replace(out / "progress.tmp", out / "progress")
         try:
@@ -221,13 +370,24 @@ def worker(args):
         verdict, detail = judge(outcome)
         if hvd.rank() == 0:
             with open(out / "results.jsonl", "a") as f:
-                f.write(json.dumps({"index": index, "category": category, "case": name, "verdict": verdict,
-                                    "detail": detail[:300]}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "index": index,
+                            "category": category,
+                            "case": name,
+                            "verdict": verdict,
+                            "detail": detail[:300],
+                        }
+                    )
+                    + "\n"
+                )
 
 
 def crash_midway():
     import horovod.torch as hvd
     import torch
+
     real_step = torch.optim.SGD.step
 
     def failing(self, *a, **k):
@@ -235,6 +395,7 @@ def crash_midway():
         if hvd.rank() == 1 and failing.calls == 2:
             raise RuntimeError("rank 1 fails mid-run")
         return real_step(self, *a, **k)
+
     failing.calls = 0
     torch.optim.SGD.step = failing
     train(dict(format="nvfp4"), steps=6)
@@ -243,11 +404,27 @@ def crash_midway():
 # ------------------------------------------------------------------------------------------ driver
 def launch(np, out, extra, case_timeout):
     """Runs one mpirun job; returns 'done', 'hang' (watchdog) or 'exit N'."""
-    cmd = ["bash", str(ROOT / "scripts" / "mpirun.sh"), str(np), sys.executable, __file__, "--worker", "--out", str(out),
-           *extra]
+    cmd = [
+        "bash",
+        str(ROOT / "scripts" / "mpirun.sh"),
+        str(np),
+        sys.executable,
+        __file__,
+        "--worker",
+        "--out",
+        str(out),
+        *extra,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     started = time.time()
     log = out / "mpirun.log"
     while proc.poll() is None:
@@ -270,8 +447,11 @@ def run_rank_count(np, case_timeout, only):
         start = 0
         while start < total:
             status = launch(np, out, ["--start", str(start), "--only", only], case_timeout)
-            done = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()] \
-                if (out / "results.jsonl").exists() else []
+            done = (
+                [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+                if (out / "results.jsonl").exists()
+                else []
+            )
             seen = {r["index"] for r in rows}
             rows += [r for r in done if r["index"] not in seen]
             next_start = max([r["index"] for r in rows], default=-1) + 1
@@ -279,43 +459,82 @@ def run_rank_count(np, case_timeout, only):
                 break
             category, name, _ = cases(only)[next_start]
             verdict = "hang" if status == "hang" else "unexpected error"
-            rows.append({"index": next_start, "category": category, "case": name, "verdict": verdict,
-                         "detail": status + ": " + (out / "mpirun.log").read_text()[-300:]})
+            rows.append(
+                {
+                    "index": next_start,
+                    "category": category,
+                    "case": name,
+                    "verdict": verdict,
+                    "detail": status + ": " + (out / "mpirun.log").read_text()[-300:],
+                }
+            )
             start = next_start + 1
         crash_out = out / "crash"
         crash_out.mkdir()
         t0 = time.time()
         status = launch(np, crash_out, ["--crash"], case_timeout)
         log = (crash_out / "mpirun.log").read_text()
-        verdict = ("ok" if status.startswith("exit") and "rank 1 fails mid-run" in log else
-                   "hang" if status == "hang" else "silent corruption")
-        rows.append({"index": total, "category": "a rank raises mid-step", "case": "job ends non-zero",
-                     "verdict": verdict, "detail": f"{status} after {time.time() - t0:.0f} s"})
+        verdict = (
+            "ok"
+            if status.startswith("exit") and "rank 1 fails mid-run" in log
+            else "hang"
+            if status == "hang"
+            else "silent corruption"
+        )
+        rows.append(
+            {
+                "index": total,
+                "category": "a rank raises mid-step",
+                "case": "job ends non-zero",
+                "verdict": verdict,
+                "detail": f"{status} after {time.time() - t0:.0f} s",
+            }
+        )
     return rows
 
 
 def summary(results):
-    lines = ["| ranks | category | cases | " + " | ".join(VERDICTS) + " |", "|---" * (3 + len(VERDICTS)) + "|"]
+    lines = [
+        "| ranks | category | cases | " + " | ".join(VERDICTS) + " |",
+        "|---" * (3 + len(VERDICTS)) + "|",
+    ]
     for np, rows in results.items():
         for category in dict.fromkeys(r["category"] for r in rows):
             mine = [r for r in rows if r["category"] == category]
-            lines.append(f"| {np} | {category} | {len(mine)} | "
-                         + " | ".join(str(sum(r["verdict"] == v for r in mine)) for v in VERDICTS) + " |")
+            lines.append(
+                f"| {np} | {category} | {len(mine)} | "
+                + " | ".join(str(sum(r["verdict"] == v for r in mine)) for v in VERDICTS)
+                + " |"
+            )
     everything = [r for rows in results.values() for r in rows]
     count = {v: sum(r["verdict"] == v for r in everything) for v in VERDICTS}
-    closing = (f"robustness: {len(everything)} cases tried, {count['hang']} hangs, {count['silent corruption']} "
-               f"silent corruptions, {count['rank disagreement']} rank disagreements, "
-               f"{count['unexpected error']} unexpected errors")
+    closing = (
+        f"robustness: {len(everything)} cases tried, {count['hang']} hangs, "
+        f"{count['silent corruption']} silent corruptions, "
+        f"{count['rank disagreement']} rank disagreements, "
+        f"{count['unexpected error']} unexpected errors"
+    )
     return "\n".join(lines), closing, everything
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--nps", default="2,4", help="rank counts to run")
-    p.add_argument("--case-timeout", type=float, default=300.0, help="seconds one case may take before it is a hang")
-    p.add_argument("--only", default="", help="run only the cases whose 'category / case' contains this")
+    p.add_argument(
+        "--case-timeout",
+        type=float,
+        default=300.0,
+        help="seconds one case may take before it is a hang",
+    )
+    p.add_argument(
+        "--only", default="", help="run only the cases whose 'category / case' contains this"
+    )
     p.add_argument("--md", default=None, help="also write the table and every case's verdict here")
-    p.add_argument("--verbose", action="store_true", help="print every case's verdict, not only failures")
+    p.add_argument(
+        "--verbose", action="store_true", help="print every case's verdict, not only failures"
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--crash", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -324,7 +543,9 @@ def main():
     if args.worker:
         return worker(args)
     t0 = time.time()
-    results = {int(np): run_rank_count(int(np), args.case_timeout, args.only) for np in args.nps.split(",")}
+    results = {
+        int(np): run_rank_count(int(np), args.case_timeout, args.only) for np in args.nps.split(",")
+    }
     table, closing, everything = summary(results)
     print(table)
     for r in everything:
@@ -332,12 +553,19 @@ def main():
             print(f"  {r['verdict']}: {r['category']} / {r['case']}: {r['detail']}")
     print(f"{closing} ({time.time() - t0:.0f} s)")
     if args.md:
-        details = "\n".join(f"| {np} | {r['category']} | {r['case']} | {r['verdict']} | {r['detail']} |"
-                            for np, rows in results.items() for r in rows)
+        details = "\n".join(
+            f"| {np} | {r['category']} | {r['case']} | {r['verdict']} | {r['detail']} |"
+            for np, rows in results.items()
+            for r in rows
+        )
         pathlib.Path(args.md).write_text(
-            f"# Robustness campaign\n\n`python benchmarks/robustness.py` ({time.time() - t0:.0f} s)\n\n{table}\n\n"
-            f"**{closing}**\n\nRelative-error bounds: {BOUNDS}; with forced whitening: {WHITENED_BOUNDS}\n\n| ranks | category | case | verdict | detail |\n"
-            f"|---|---|---|---|---|\n{details}\n")
+            f"# Robustness campaign\n\n`python benchmarks/robustness.py` "
+            f"({time.time() - t0:.0f} s)\n\n{table}\n\n"
+            f"**{closing}**\n\nRelative-error bounds: {BOUNDS}; "
+            f"with forced whitening: {WHITENED_BOUNDS}\n\n"
+            "| ranks | category | case | verdict | detail |\n"
+            f"|---|---|---|---|---|\n{details}\n"
+        )
     sys.exit(0 if all(r["verdict"] == "ok" for r in everything) else 1)
 
 

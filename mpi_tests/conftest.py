@@ -25,7 +25,9 @@ def pytest_runtest_makereport(item, call):
     if failures and not report.failed:
         report.outcome = "failed"
     if failures:
-        report.longrepr = "\n".join(f"--- rank {rank} of {COMM.size} failed:\n{text}" for rank, text in failures)
+        report.longrepr = "\n".join(
+            f"--- rank {rank} of {COMM.size} failed:\n{text}" for rank, text in failures
+        )
 
 
 @pytest.fixture

@@ -12,7 +12,8 @@ FORMATS = [("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", 32), ("nvfp4", N
 
 
 class TinyLM(torch.nn.Module):
-    """Embedding, two Linear layers and a norm: whitened weights, rotated ones and small fp32 ones."""
+    """Embedding, two Linear layers and a norm: whitened weights, rotated ones and small fp32
+    ones."""
 
     def __init__(self, vocab=64, dim=64, hidden=128):
         super().__init__()
@@ -39,10 +40,25 @@ def batch(step, rank, size=16, length=12, vocab=64):
 
 def make(format, block_size=None, transform="auto", error_feedback=True, lr=1e-2, **kw):
     model = TinyLM()
-    compression = gift.GIFT(model, format=format, block_size=block_size, transform=transform,
-                            error_feedback=error_feedback, refresh_every=10, verbose=False) if format else hvd.Compression.none
-    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=lr),
-                                   named_parameters=model.named_parameters(), compression=compression, **kw)
+    compression = (
+        gift.GIFT(
+            model,
+            format=format,
+            block_size=block_size,
+            transform=transform,
+            error_feedback=error_feedback,
+            refresh_every=10,
+            verbose=False,
+        )
+        if format
+        else hvd.Compression.none
+    )
+    opt = hvd.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=lr),
+        named_parameters=model.named_parameters(),
+        compression=compression,
+        **kw,
+    )
     return model, opt, compression
 
 
@@ -64,15 +80,21 @@ def test_training_matches_fp32_and_parameters_stay_identical():
     for fmt, block in FORMATS:
         model, opt, compression = make(fmt, block)
         losses = run(model, opt, steps=50)
-        assert_identical_on_all_ranks(list(model.parameters()), f"parameters after 50 steps with {fmt}")
+        assert_identical_on_all_ranks(
+            list(model.parameters()), f"parameters after 50 steps with {fmt}"
+        )
         final, reference = sum(losses[-5:]) / 5, sum(baseline[-5:]) / 5
         assert losses[-1] < 0.5 * losses[0], f"{fmt}: loss {losses[0]:.3f} -> {losses[-1]:.3f}"
-        assert abs(final - reference) < 0.05 * reference + 0.02, f"{fmt}: final loss {final:.4f} vs fp32 {reference:.4f}"
+        assert (
+            abs(final - reference) < 0.05 * reference + 0.02
+        ), f"{fmt}: final loss {final:.4f} vs fp32 {reference:.4f}"
         assert compression.stats()["steps"] == 50
 
 
-@pytest.mark.parametrize("options", [dict(backward_passes_per_step=2), dict(gradient_predivide_factor=2.0),
-                                     dict(groups=2)])
+@pytest.mark.parametrize(
+    "options",
+    [dict(backward_passes_per_step=2), dict(gradient_predivide_factor=2.0), dict(groups=2)],
+)
 def test_horovod_options_keep_ranks_identical(options):
     passes = options.get("backward_passes_per_step", 1)
     model, opt, compression = make("nvfp4", **options)
@@ -83,12 +105,22 @@ def test_horovod_options_keep_ranks_identical(options):
 
 
 def fixed_gradient_mean_error(error_feedback, rounds, residual_dtype=torch.float32):
-    """Feed the same per-rank gradient `rounds` times; relative error of the mean of what came back."""
+    """Feed the same per-rank gradient `rounds` times; relative error of the mean of what came
+    back."""
     layer = torch.nn.Linear(64, 64, bias=False)
-    compression = gift.GIFT(layer, format="nvfp4", transform="none", error_feedback=error_feedback,
-                            residual_dtype=residual_dtype, verbose=False)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=0.0), named_parameters=[("w", layer.weight)],
-                                   compression=compression)
+    compression = gift.GIFT(
+        layer,
+        format="nvfp4",
+        transform="none",
+        error_feedback=error_feedback,
+        residual_dtype=residual_dtype,
+        verbose=False,
+    )
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(layer.parameters(), lr=0.0),
+        named_parameters=[("w", layer.weight)],
+        compression=compression,
+    )
     g = torch.randn(64, 64, generator=torch.Generator().manual_seed(hvd.rank())) * (1 + hvd.rank())
     truth = hvd.allreduce(g, op=hvd.Average, name="ef.truth")
     total, errors = torch.zeros_like(g), []
@@ -118,26 +150,45 @@ def test_bf16_residuals_keep_error_feedback_working():
 
 @pytest.mark.parametrize("transform", ["none", "hadamard", "whiten+hadamard"])
 def test_the_average_lands_in_the_gradient_tensor(transform):
-    """Like Horovod's in-place allreduce, the average is written over p.grad, which is also where it is
-    whitened and rotated on its way out and back: the same storage, and the average of every rank's gradient."""
+    """Like Horovod's in-place allreduce, the average is written over p.grad, which is also where
+    it is whitened and rotated on its way out and back: the same storage, and the average of every
+    rank's gradient."""
     layer = torch.nn.Linear(256, 64, bias=False)
-    compression = gift.GIFT(layer, format="fp8_e4m3", transform=transform, error_feedback=False, refresh_every=1,
-                            verbose=False)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=0.0), named_parameters=[("w", layer.weight)],
-                                   compression=compression)
+    compression = gift.GIFT(
+        layer,
+        format="fp8_e4m3",
+        transform=transform,
+        error_feedback=False,
+        refresh_every=1,
+        verbose=False,
+    )
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(layer.parameters(), lr=0.0),
+        named_parameters=[("w", layer.weight)],
+        compression=compression,
+    )
     g = torch.randn(64, 256, generator=torch.Generator().manual_seed(hvd.rank())) * (1 + hvd.rank())
     truth = hvd.allreduce(g, op=hvd.Average, name=f"in_place.truth.{transform}")
-    activations = torch.randn(512, 256, generator=torch.Generator().manual_seed(100 + hvd.rank())) * torch.linspace(0.1, 3, 256)
+    activations = torch.randn(
+        512, 256, generator=torch.Generator().manual_seed(100 + hvd.rank())
+    ) * torch.linspace(0.1, 3, 256)
     for _ in range(2):
-        layer(activations)                         # the whitening statistic, refreshed every step here
+        layer(activations)  # the whitening statistic, refreshed every step here
         layer.weight.grad = g.clone()
-        storage = layer.weight.grad.data_ptr()      # Horovod set_()s p.grad to what comes back: same object
+        storage = (
+            layer.weight.grad.data_ptr()
+        )  # Horovod set_()s p.grad to what comes back: same object
         opt.synchronize()
         error = float((layer.weight.grad - truth).norm() / truth.norm())
-        # whitening leaves the codec's error isotropic in the whitened space, and the map back stretches it
-        # along the weak input directions: 0.12 here, in place or not; a misapplied map gives ~1
-        assert error < (0.2 if transform.startswith("whiten") else 0.05), f"{transform}: averaged gradient off by {error:.3f}"
-        assert layer.weight.grad.data_ptr() == storage, f"{transform}: the average went to a new tensor"
+        # whitening leaves the codec's error isotropic in the whitened space, and the map back
+        # stretches it along the weak input directions: 0.12 here, in place or not; a misapplied
+        # map gives ~1
+        assert error < (
+            0.2 if transform.startswith("whiten") else 0.05
+        ), f"{transform}: averaged gradient off by {error:.3f}"
+        assert (
+            layer.weight.grad.data_ptr() == storage
+        ), f"{transform}: the average went to a new tensor"
     assert_identical_on_all_ranks([layer.weight.grad], f"averaged gradient with {transform}")
 
 
@@ -148,8 +199,14 @@ def test_checkpoint_resume_is_bit_identical():
 
     model, opt, compression = make("nvfp4")
     run(model, opt, steps=12)
-    saved = {"model": model.state_dict(), "optimizer": opt.state_dict(), "compressor": compression.state_dict()}
-    saved = {k: (v if k != "model" else {n: t.clone() for n, t in v.items()}) for k, v in saved.items()}
+    saved = {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "compressor": compression.state_dict(),
+    }
+    saved = {
+        k: (v if k != "model" else {n: t.clone() for n, t in v.items()}) for k, v in saved.items()
+    }
     del model, opt, compression
 
     model, opt, compression = make("nvfp4")
@@ -193,8 +250,11 @@ def test_bytes_on_the_wire(monkeypatch):
 
 def test_errors_are_clear():
     model = TinyLM()
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters(), compression=gift.GIFT)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        compression=gift.GIFT,
+    )
     x, y = batch(0, hvd.rank())
     with pytest.raises(TypeError, match=r"compression=gift.GIFT\(model"):
         torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
@@ -206,8 +266,12 @@ def test_errors_are_clear():
 
 def test_adasum_is_refused_clearly():
     model = TinyLM()
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
-                                   compression=gift.GIFT(model, verbose=False), op=hvd.Adasum)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        compression=gift.GIFT(model, verbose=False),
+        op=hvd.Adasum,
+    )
     x, y = batch(0, hvd.rank())
     with pytest.raises(ValueError, match=r"does not support op=hvd.Adasum"):
         torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
@@ -225,7 +289,8 @@ def test_native_kernels_train_bit_identical_to_the_torch_references(fmt, transfo
             model, opt, compression = make(fmt, transform=transform)
             run(model, opt, steps=6)
         parameters[backend] = [p.detach().clone() for p in model.parameters()]
-    for (name, _), reference, native in zip(TinyLM().named_parameters(), parameters["torch"],
-                                            parameters["native"]):
+    for (name, _), reference, native in zip(
+        TinyLM().named_parameters(), parameters["torch"], parameters["native"]
+    ):
         assert torch.equal(reference, native), f"{name}: native kernels differ after 6 steps"
     assert_identical_on_all_ranks(parameters["native"], "parameters trained on the native kernels")

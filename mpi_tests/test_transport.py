@@ -26,7 +26,9 @@ def test_allgather_uint8_payloads_of_different_lengths():
     payload = torch.full((r + 3,), 200 + r, dtype=torch.uint8)  # > 127: a signed view would break
     out = hvd.allgather(payload, name="transport.allgather.uint8")
     assert out.dtype == torch.uint8
-    expected = torch.cat([torch.full((k + 3,), 200 + k, dtype=torch.uint8) for k in range(hvd.size())])
+    expected = torch.cat(
+        [torch.full((k + 3,), 200 + k, dtype=torch.uint8) for k in range(hvd.size())]
+    )
     assert torch.equal(out, expected)
     assert_same_on_all_ranks(out.numel(), "allgathered byte count")
 
@@ -36,10 +38,14 @@ def test_alltoall_uint8_with_splits():
     # rank r sends (r + k + 1) bytes valued 16*r + k to rank k
     splits = torch.tensor([r + k + 1 for k in range(n)], dtype=torch.int32)
     payload = torch.cat([torch.full((r + k + 1,), 16 * r + k, dtype=torch.uint8) for k in range(n)])
-    received, received_splits = hvd.alltoall(payload, splits=splits, name="transport.alltoall.uint8")
+    received, received_splits = hvd.alltoall(
+        payload, splits=splits, name="transport.alltoall.uint8"
+    )
     assert received.dtype == torch.uint8
     assert received_splits.tolist() == [k + r + 1 for k in range(n)]
-    expected = torch.cat([torch.full((k + r + 1,), 16 * k + r, dtype=torch.uint8) for k in range(n)])
+    expected = torch.cat(
+        [torch.full((k + r + 1,), 16 * k + r, dtype=torch.uint8) for k in range(n)]
+    )
     assert torch.equal(received, expected)
     sent, got = COMM.allgather(payload.numel()), COMM.allgather(received.numel())
     assert sum(sent) == sum(got), "bytes sent and received across the world disagree"

@@ -6,7 +6,13 @@ import torch
 
 import horovod_gift as gift
 
-CODECS = [("fp8_e4m3", None), ("fp8_e4m3", 32), ("fp8_e5m2", None), ("fp8_e5m2", 128), ("nvfp4", None)]
+CODECS = [
+    ("fp8_e4m3", None),
+    ("fp8_e4m3", 32),
+    ("fp8_e5m2", None),
+    ("fp8_e5m2", 128),
+    ("nvfp4", None),
+]
 BACKENDS = ["torch", "native", "triton"]
 
 
@@ -20,20 +26,32 @@ def nmse(y, x):
 
 # Gaussian error floors: NMSE of N(0, 1) samples rounded to each format by numpy + ml_dtypes
 # (an independent implementation), +-5 %.
-@pytest.mark.parametrize("fmt,block,expected", [("nvfp4", None, 9.0e-3), ("fp8_e4m3", 32, 5.8e-4),
-                                                 ("fp8_e5m2", None, 2.8e-3)])
+@pytest.mark.parametrize(
+    "fmt,block,expected",
+    [("nvfp4", None, 9.0e-3), ("fp8_e4m3", 32, 5.8e-4), ("fp8_e5m2", None, 2.8e-3)],
+)
 def test_gaussian_error_matches_reference_floor(fmt, block, expected):
     x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))
     assert abs(nmse(roundtrip(x, fmt, block), x) / expected - 1) < 0.05
 
 
-@pytest.mark.parametrize("fmt,block,bits", [("nvfp4", None, 4.5), ("fp8_e4m3", None, 8.0), ("fp8_e5m2", None, 8.0),
-                                             ("fp8_e4m3", 32, 9.0), ("fp8_e4m3", 128, 8.25)])
+@pytest.mark.parametrize(
+    "fmt,block,bits",
+    [
+        ("nvfp4", None, 4.5),
+        ("fp8_e4m3", None, 8.0),
+        ("fp8_e5m2", None, 8.0),
+        ("fp8_e4m3", 32, 9.0),
+        ("fp8_e4m3", 128, 8.25),
+    ],
+)
 def test_bits_per_element(fmt, block, bits):
     n = 1 << 16
     enc = gift.encode(torch.randn(n), fmt, block_size=block)
     codes = n // 2 if fmt == "nvfp4" else n
-    scales = {"nvfp4": n // 16 + 4, None: 4}.get(fmt if fmt == "nvfp4" else block, 4 * n // (block or 1))
+    scales = {"nvfp4": n // 16 + 4, None: 4}.get(
+        fmt if fmt == "nvfp4" else block, 4 * n // (block or 1)
+    )
     assert enc.nbytes == codes + scales
     assert abs(enc.bits_per_element - bits) < 0.01
 
@@ -42,9 +60,15 @@ def test_bits_per_element(fmt, block, bits):
 @pytest.mark.parametrize("fmt,block", CODECS)
 def test_shapes_dtypes_and_layouts(backend, fmt, block):
     with gift.use_kernels(backend):
-        for x in [torch.randn(3, 5, 7), torch.randn(()), torch.randn(0, 4), torch.randn(8, 6).t(),
-                  torch.randn(33, dtype=torch.float16), torch.randn(33, dtype=torch.bfloat16),
-                  torch.randn(33, dtype=torch.float64)]:
+        for x in [
+            torch.randn(3, 5, 7),
+            torch.randn(()),
+            torch.randn(0, 4),
+            torch.randn(8, 6).t(),
+            torch.randn(33, dtype=torch.float16),
+            torch.randn(33, dtype=torch.bfloat16),
+            torch.randn(33, dtype=torch.float64),
+        ]:
             y = roundtrip(x, fmt, block)
             assert y.shape == x.shape and y.dtype == x.dtype
             if x.numel():
@@ -59,7 +83,7 @@ def test_zeros_decode_to_exact_zeros(backend, fmt, block):
     with gift.use_kernels(backend):
         assert torch.equal(roundtrip(torch.zeros(100), fmt, block), torch.zeros(100))
         x = torch.randn(256)
-        x[:128] = 0.0                                      # all-zero blocks beside non-zero ones
+        x[:128] = 0.0  # all-zero blocks beside non-zero ones
         y = roundtrip(x, fmt, block)
         assert torch.equal(y[:128], torch.zeros(128)) and not torch.isnan(y).any()
 
@@ -93,7 +117,11 @@ def test_stochastic_rounding_is_seeded_and_unbiased(fmt, block):
     a = gift.encode(x, fmt, block_size=block, rounding="stochastic", seed=7)
     b = gift.encode(x, fmt, block_size=block, rounding="stochastic", seed=7)
     assert torch.equal(a.codes, b.codes)
-    mean = torch.stack([roundtrip(x, fmt, block, rounding="stochastic", seed=s) for s in range(200)]).double().mean(0)
+    mean = (
+        torch.stack([roundtrip(x, fmt, block, rounding="stochastic", seed=s) for s in range(200)])
+        .double()
+        .mean(0)
+    )
     nearest_bias = (roundtrip(x, fmt, block).double() - x.double()).norm()
     # averaging 200 draws shrinks the error about sqrt(200)-fold; a biased rounding would not
     assert (mean - x.double()).norm() < nearest_bias / 4
@@ -107,12 +135,15 @@ def test_nearest_error_bounded_by_half_a_step(fmt, block):
     mbits = {"fp8_e4m3": 3, "fp8_e5m2": 2, "nvfp4": 1}[fmt]
     # relative error of a normal value is at most 2**-(mbits+1); subnormals are bounded by the
     # smallest step relative to the block's largest value
-    floor = {"fp8_e4m3": 2.0 ** -10 / 448, "fp8_e5m2": 2.0 ** -17 / 57344, "nvfp4": 0.25 / 6}[fmt]
+    floor = {"fp8_e4m3": 2.0**-10 / 448, "fp8_e5m2": 2.0**-17 / 57344, "nvfp4": 0.25 / 6}[fmt]
     blocks = x.abs().view(-1, block or (16 if fmt == "nvfp4" else 4096)).amax(1, keepdim=True)
-    bound = torch.maximum(x.abs().view_as(blocks.expand(-1, block or (16 if fmt == "nvfp4" else 4096))) * 2.0 ** -(mbits + 1),
-                          blocks * floor)
+    bound = torch.maximum(
+        x.abs().view_as(blocks.expand(-1, block or (16 if fmt == "nvfp4" else 4096)))
+        * 2.0 ** -(mbits + 1),
+        blocks * floor,
+    )
     if fmt == "nvfp4":
-        bound = bound * (1 + 2.0 ** -4)                  # the E4M3 block scale itself is rounded
+        bound = bound * (1 + 2.0**-4)  # the E4M3 block scale itself is rounded
     assert bool((err.view_as(bound) <= bound * (1 + 1e-6)).all())
     assert bool((torch.sign(gift.decode(enc)) * torch.sign(x) >= 0).all()), "a sign flipped"
 
@@ -142,4 +173,6 @@ def test_backends_agree_through_the_public_api():
         with gift.use_kernels("triton"):
             b = gift.encode(x, fmt, block_size=block, rounding="stochastic", seed=1)
             assert torch.equal(gift.decode(a), gift.decode(b))
-        assert torch.equal(a.codes, b.codes) and torch.equal(a.scales.view(torch.uint8), b.scales.view(torch.uint8))
+        assert torch.equal(a.codes, b.codes) and torch.equal(
+            a.scales.view(torch.uint8), b.scales.view(torch.uint8)
+        )

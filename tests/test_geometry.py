@@ -45,10 +45,15 @@ def test_rotation_blocks_interleave_sixteen_to_a_span_then_run_contiguous(backen
         u = gift.HadamardRotation(128, seed=2).forward(x).double()
     signs = random_signs_torch(2, 0, n, x.device).double()
     dx = x.double() * signs
-    head = torch.einsum("ik,skc->sic", sylvester(128), dx[:4096].view(2, 128, 16)).reshape(-1) / 128 ** 0.5
+    head = (
+        torch.einsum("ik,skc->sic", sylvester(128), dx[:4096].view(2, 128, 16)).reshape(-1)
+        / 128**0.5
+    )
     assert torch.allclose(u[:4096], head, atol=1e-5)
     for start, b in ((4096, 128), (4224, 128), (4352, 32), (4384, 8), (4392, 4)):
-        assert torch.allclose(u[start:start + b], sylvester(b) @ dx[start:start + b] / b ** 0.5, atol=1e-5), (start, b)
+        assert torch.allclose(
+            u[start : start + b], sylvester(b) @ dx[start : start + b] / b**0.5, atol=1e-5
+        ), (start, b)
     spike = torch.zeros(n)
     spike[2048 + 5] = 1.0
     spread = gift.HadamardRotation(128, seed=2).forward(spike)
@@ -60,8 +65,10 @@ def test_rotation_depends_on_seed_and_spreads_a_spike():
     x[5] = 1.0
     a = gift.HadamardRotation(128, seed=0).forward(x)
     y = torch.randn(256)
-    assert not torch.equal(gift.HadamardRotation(128, seed=0).forward(y), gift.HadamardRotation(128, seed=1).forward(y))
-    assert torch.allclose(a[:128].abs(), torch.full((128,), 128 ** -0.5))
+    assert not torch.equal(
+        gift.HadamardRotation(128, seed=0).forward(y), gift.HadamardRotation(128, seed=1).forward(y)
+    )
+    assert torch.allclose(a[:128].abs(), torch.full((128,), 128**-0.5))
     with pytest.raises(ValueError, match="power of two"):
         gift.HadamardRotation(block_size=100)
 
@@ -70,7 +77,10 @@ def spiked_activations(n_in=96, rank=8, tokens=100_000, seed=0):
     g = torch.Generator().manual_seed(seed)
     u = torch.randn(n_in, rank, generator=g)
     diag = torch.rand(n_in, generator=g) + 0.1
-    return torch.randn(tokens, rank, generator=g) @ u.t() * 3 + torch.randn(tokens, n_in, generator=g) * diag.sqrt()
+    return (
+        torch.randn(tokens, rank, generator=g) @ u.t() * 3
+        + torch.randn(tokens, n_in, generator=g) * diag.sqrt()
+    )
 
 
 def covariance(x):
@@ -149,7 +159,9 @@ def test_square_roots_agree_on_the_whitened_spectrum():
         w = gift.InputWhitening(48, rank=8, damping=1e-3, sqrt=sqrt)
         w.update(x)
         spectra.append(torch.linalg.eigvalsh(covariance(w.whiten_activations(x))))
-    assert torch.allclose(spectra[0], spectra[1], rtol=1e-3) and torch.allclose(spectra[0], spectra[2], rtol=1e-3)
+    assert torch.allclose(spectra[0], spectra[1], rtol=1e-3) and torch.allclose(
+        spectra[0], spectra[2], rtol=1e-3
+    )
 
 
 @pytest.mark.parametrize("sqrt", ["isotropic", "diagonal", "cholesky", "symmetric"])
@@ -164,25 +176,34 @@ def test_whitening_inverse_undoes_forward(sqrt):
 
 
 def test_low_rank_map_in_row_blocks_equals_its_formula(monkeypatch):
-    """forward: G D^{-1/2} (I + P diag(c-) P^T); inverse: G (I + P diag(c+) P^T) D^{1/2}, worked out
-    in fp64 here, against the CPU path that runs in blocks of rows (several, and a short last one)."""
+    """forward: G D^{-1/2} (I + P diag(c-) P^T); inverse: G (I + P diag(c+) P^T) D^{1/2}, worked
+    out in fp64 here, against the CPU path that runs in blocks of rows (several, and a short last
+    one)."""
     from horovod_gift import geometry
+
     monkeypatch.setattr(geometry, "ROW_BLOCK_ELEMENTS", 64 * 7)
     w = gift.InputWhitening(64, rank=16, sqrt="diagonal")
     w.update(spiked_activations(n_in=64, tokens=5000))
     g = torch.randn(30, 64, generator=torch.Generator().manual_seed(4))
     f = {k: v.double() for k, v in w.factors.items()}
-    forward = (g.double() / f["d_sqrt"]) @ (torch.eye(64, dtype=torch.float64) + (f["p"] * f["c_minus"]) @ f["p"].t())
-    inverse = g.double() @ (torch.eye(64, dtype=torch.float64) + (f["p"] * f["c_plus"]) @ f["p"].t()) * f["d_sqrt"]
+    forward = (g.double() / f["d_sqrt"]) @ (
+        torch.eye(64, dtype=torch.float64) + (f["p"] * f["c_minus"]) @ f["p"].t()
+    )
+    inverse = (
+        g.double()
+        @ (torch.eye(64, dtype=torch.float64) + (f["p"] * f["c_plus"]) @ f["p"].t())
+        * f["d_sqrt"]
+    )
     assert torch.allclose(w.forward(g).double(), forward, rtol=1e-5, atol=1e-5)
     assert torch.allclose(w.inverse(g).double(), inverse, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("sqrt", ["isotropic", "diagonal", "cholesky"])
 def test_whitening_into_out_or_in_place_gives_the_same_bits(sqrt, monkeypatch):
-    """GIFT whitens a gradient in its own storage: the result must not depend on where it is written,
-    also when the rows run in blocks (several, and a short last one)."""
+    """GIFT whitens a gradient in its own storage: the result must not depend on where it is
+    written, also when the rows run in blocks (several, and a short last one)."""
     from horovod_gift import geometry
+
     monkeypatch.setattr(geometry, "ROW_BLOCK_ELEMENTS", 64 * 7)
     w = gift.InputWhitening(64, rank=16, sqrt=sqrt)
     w.update(spiked_activations(n_in=64, tokens=5000))
@@ -206,7 +227,7 @@ def test_whitening_statistic_is_an_ema_and_checks_shapes(statistic):
     blend = 0.5 * covariance(a) + 0.5 * covariance(b)
     if statistic == "dense":
         assert torch.allclose(w.statistic.state.view(4, 4), blend)
-    else:                                   # Y = A Omega and diag(A), fp32
+    else:  # Y = A Omega and diag(A), fp32
         y = w.statistic.state[:-4].view(4, -1).double()
         assert torch.allclose(y, blend @ w.statistic.omega("cpu").double(), rtol=1e-5, atol=1e-5)
         assert torch.allclose(w.statistic.diagonal.double(), blend.diagonal(), rtol=1e-5)

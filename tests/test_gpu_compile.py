@@ -19,12 +19,19 @@ import sys
 import torch
 
 TARGETS = (("cuda", 90, 32), ("cuda", 80, 32))
-POINTER_TYPES = {torch.float32: "*fp32", torch.uint8: "*u8", torch.int32: "*i32", torch.int16: "*i16"}
+POINTER_TYPES = {
+    torch.float32: "*fp32",
+    torch.uint8: "*u8",
+    torch.int32: "*i32",
+    torch.int16: "*i16",
+}
 
 
 def record_launches(drive):
-    """The distinct launches that drive() makes, as (kernel, signature, constants, compile options)."""
+    """The distinct launches that drive() makes, as (kernel, signature, constants, compile
+    options)."""
     from triton.runtime.jit import JITFunction
+
     launches, original = {}, JITFunction.run
 
     def record(self, *args, grid, warmup, **kwargs):
@@ -40,8 +47,13 @@ def record_launches(drive):
             elif isinstance(value, float):
                 signature[p.name] = "fp32"
             else:
-                signature[p.name] = "i32" if -2 ** 31 <= int(value) < 2 ** 31 else "i64"
-        key = (self.fn.__name__, tuple(signature.items()), tuple(constants.items()), tuple(options.items()))
+                signature[p.name] = "i32" if -(2**31) <= int(value) < 2**31 else "i64"
+        key = (
+            self.fn.__name__,
+            tuple(signature.items()),
+            tuple(constants.items()),
+            tuple(options.items()),
+        )
         launches.setdefault(key, (self, signature, constants, options))
 
     JITFunction.run = record
@@ -57,53 +69,89 @@ def drive_codec():
     from horovod_gift import formats
     from horovod_gift.config import use_kernels
     from horovod_gift.kernels import fp8, nvfp4
-    x = torch.randn(4096 + 128 + 37)     # two spans of 16 x 128 and a remainder: rotated before quantizing
-    spans = torch.randn(4096)            # whole spans: the fused kernel rotates them itself
+
+    x = torch.randn(
+        4096 + 128 + 37
+    )  # two spans of 16 x 128 and a remainder: rotated before quantizing
+    spans = torch.randn(4096)  # whole spans: the fused kernel rotates them itself
     with use_kernels("triton"):
-        for fmt, block in (("nvfp4", None), ("fp8_e4m3", None), ("fp8_e4m3", 32), ("fp8_e5m2", None), ("fp8_e5m2", 16)):
+        for fmt, block in (
+            ("nvfp4", None),
+            ("fp8_e4m3", None),
+            ("fp8_e4m3", 32),
+            ("fp8_e5m2", None),
+            ("fp8_e5m2", 16),
+        ):
             for rotation in (None, (128, 1), (16, 1)):
                 for stochastic in (False, True):
                     for data in (x, spans) if rotation else (x,):
                         for residual in (None, torch.zeros_like(data)):
-                            codes, scales, tensor_scale = formats.quantize(data, fmt, block, stochastic, 3, residual, rotation)
-                            formats.dequantize(codes, scales, tensor_scale, data.numel(), fmt, block)
+                            codes, scales, tensor_scale = formats.quantize(
+                                data, fmt, block, stochastic, 3, residual, rotation
+                            )
+                            formats.dequantize(
+                                codes, scales, tensor_scale, data.numel(), fmt, block
+                            )
             codes, scales, tensor_scale = formats.quantize(x, fmt, block)
-            formats.accumulate(torch.stack([codes] * 3), torch.stack([scales.reshape(-1)] * 3),
-                               None if tensor_scale is None else torch.cat([tensor_scale] * 3), x.numel(), fmt, block)
+            formats.accumulate(
+                torch.stack([codes] * 3),
+                torch.stack([scales.reshape(-1)] * 3),
+                None if tensor_scale is None else torch.cat([tensor_scale] * 3),
+                x.numel(),
+                fmt,
+                block,
+            )
         for inverse in (False, True):
             formats.rotate(x, (128, 1), inverse)
-    for stochastic in (False, True):        # the stand-alone encoders that gpu_check.py also times
+    for stochastic in (False, True):  # the stand-alone encoders that gpu_check.py also times
         nvfp4.nvfp4_encode_triton(x, torch.ones(1), 3, stochastic)
         for fmt, block in (("fp8_e4m3", None), ("fp8_e5m2", 32)):
-            fp8.fp8_encode_triton(x, fp8.FORMATS[fmt], block, None if block else torch.ones(1), 3, stochastic)
+            fp8.fp8_encode_triton(
+                x, fp8.FORMATS[fmt], block, None if block else torch.ones(1), 3, stochastic
+            )
 
 
 def main():
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
     launches = record_launches(drive_codec)
     failures = []
     for kernel, signature, constants, options in launches:
         for target in TARGETS:
             name = f"{kernel.fn.__name__} {constants} for sm_{target[1]}"
             try:
-                ptx = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget(*target), options=options).asm["ptx"]
-            except Exception as error:          # report every variant that fails, not just the first
+                ptx = triton.compile(
+                    ASTSource(kernel, signature, constants),
+                    target=GPUTarget(*target),
+                    options=options,
+                ).asm["ptx"]
+            except Exception as error:  # report every variant that fails, not just the first
                 failures.append(f"{name}: {type(error).__name__}: {error}")
                 continue
             if re.search(r"\bfma\.", ptx):
-                failures.append(f"{name}: the PTX holds fused multiply-adds (launch without enable_fp_fusion=False?)")
+                failures.append(
+                    f"{name}: the PTX holds fused multiply-adds "
+                    "(launch without enable_fp_fusion=False?)"
+                )
         print(f"compiled {kernel.fn.__name__} {constants}", flush=True)
-    print(f"{len(launches)} kernel variants x {len(TARGETS)} targets, {len(failures)} failed", flush=True)
+    print(
+        f"{len(launches)} kernel variants x {len(TARGETS)} targets, {len(failures)} failed",
+        flush=True,
+    )
     for failure in failures:
         print("FAILED", failure)
     return 1 if failures or not launches else 0
 
 
 def test_every_launched_kernel_compiles_for_sm90_and_sm80():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}   # compiled, not interpreted
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
+    env = {
+        k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"
+    }  # compiled, not interpreted
+    done = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     count = int(done.stdout.strip().splitlines()[-1].split()[0])
     assert count >= 20, f"only {count} kernel variants were launched: the driver missed codec paths"

@@ -15,14 +15,18 @@ def bits(t):
 def assert_same_bits(a, b, what):
     assert (a is None) == (b is None), what
     if a is not None:
-        assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+        assert (
+            a.shape == b.shape and a.dtype == b.dtype
+        ), f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
         mismatches = int((bits(a) != bits(b)).sum())
         assert mismatches == 0, f"{what}: {mismatches} bytes differ"
 
 
 def sample(n, seed=0):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=g) * torch.exp(2 * torch.randn(n, generator=g))   # heavy-tailed magnitudes
+    x = torch.randn(n, generator=g) * torch.exp(
+        2 * torch.randn(n, generator=g)
+    )  # heavy-tailed magnitudes
     specials = torch.tensor([0.0, -0.0, 1e-30, -3e-8, 448.0, 57344.0, 1e4, -6.0])
     x[: min(n, len(specials))] = specials[: min(n, len(specials))]
     return x
@@ -38,7 +42,9 @@ def test_fp8_encode_decode(fmt, block, n, stochastic):
     out = fp8.fp8_encode_triton(x, spec, block, scale, seed=5, stochastic=stochastic)
     assert_same_bits(ref[0], out[0], "codes")
     assert_same_bits(ref[1], out[1], "scales")
-    assert_same_bits(fp8.fp8_decode_torch(*ref, spec, block), fp8.fp8_decode_triton(*ref, spec, block), "decoded")
+    assert_same_bits(
+        fp8.fp8_decode_torch(*ref, spec, block), fp8.fp8_decode_triton(*ref, spec, block), "decoded"
+    )
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -50,7 +56,11 @@ def test_nvfp4_encode_decode(n, stochastic):
     out = nvfp4.nvfp4_encode_triton(x, scale, seed=3, stochastic=stochastic)
     assert_same_bits(ref[0], out[0], "packed codes")
     assert_same_bits(ref[1], out[1], "block scales")
-    assert_same_bits(nvfp4.nvfp4_decode_torch(*ref, scale, n), nvfp4.nvfp4_decode_triton(*ref, scale, n), "decoded")
+    assert_same_bits(
+        nvfp4.nvfp4_decode_torch(*ref, scale, n),
+        nvfp4.nvfp4_decode_triton(*ref, scale, n),
+        "decoded",
+    )
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -61,25 +71,35 @@ def test_hadamard_forward_and_inverse(n, block):
     assert_same_bits(y, hadamard.hadamard_triton(x, block, seed=11), "rotated")
     back = hadamard.hadamard_torch(y, block, seed=11, inverse=True)
     in_place = y.clone()
-    assert hadamard.hadamard_triton(in_place, block, seed=11, inverse=True, out=in_place) is in_place
+    assert (
+        hadamard.hadamard_triton(in_place, block, seed=11, inverse=True, out=in_place) is in_place
+    )
     assert_same_bits(back, in_place, "rotated back in place")
 
 
 # The fused kernel rotates whole spans only (formats.quantize rotates a remainder first), so sizes
 # with a rotation are multiples of its span: 16 interleaved blocks.
 FUSED_SHAPES = [(n, None) for n in (1, 17, 4096 + 128, 100_096)] + [
-    (n, rotation) for rotation in ((128, 4), (16, 9)) for n in (4096 + 2048, 100_352)]
+    (n, rotation) for rotation in ((128, 4), (16, 9)) for n in (4096 + 2048, 100_352)
+]
 
 
-@pytest.mark.parametrize("fmt,block,stochastic", [(f, b, True) for f, b in FP8_CASES] + [("fp8_e4m3", 32, False),
-                                                  ("nvfp4", None, True), ("nvfp4", None, False)])
+@pytest.mark.parametrize(
+    "fmt,block,stochastic",
+    [(f, b, True) for f, b in FP8_CASES]
+    + [("fp8_e4m3", 32, False), ("nvfp4", None, True), ("nvfp4", None, False)],
+)
 @pytest.mark.parametrize("n,rotation", FUSED_SHAPES)
 def test_fused_rotate_feedback_quantize(fmt, block, stochastic, n, rotation):
     x = sample(n, seed=3)
     r_ref = torch.randn(n, generator=torch.Generator().manual_seed(4)) * 0.01
     r_out = r_ref.clone()
-    ref = fused.rotate_feedback_quantize_torch(x, r_ref, fmt, block, rotation, seed=6, stochastic=stochastic)
-    out = fused.rotate_feedback_quantize_triton(x, r_out, fmt, block, rotation, seed=6, stochastic=stochastic)
+    ref = fused.rotate_feedback_quantize_torch(
+        x, r_ref, fmt, block, rotation, seed=6, stochastic=stochastic
+    )
+    out = fused.rotate_feedback_quantize_triton(
+        x, r_out, fmt, block, rotation, seed=6, stochastic=stochastic
+    )
     for name, a, b in zip(("codes", "scales", "tensor scale"), ref, out):
         assert_same_bits(a, b, name)
     assert_same_bits(r_ref, r_out, "updated residual")
@@ -88,21 +108,36 @@ def test_fused_rotate_feedback_quantize(fmt, block, stochastic, n, rotation):
 @pytest.mark.parametrize("fmt,block", FP8_CASES + [("nvfp4", None)])
 @pytest.mark.parametrize("n", [1, 17, 10_000])
 def test_accumulate(fmt, block, n):
-    payloads = [fused.rotate_feedback_quantize_torch(sample(n, seed=10 + k), None, fmt, block) for k in range(3)]
+    payloads = [
+        fused.rotate_feedback_quantize_torch(sample(n, seed=10 + k), None, fmt, block)
+        for k in range(3)
+    ]
     codes = torch.stack([p[0] for p in payloads])
     scales = torch.stack([p[1] for p in payloads])
     tensor_scales = None if payloads[0][2] is None else torch.cat([p[2] for p in payloads])
     ref = fused.accumulate_torch(codes, scales, tensor_scales, n, fmt, block)
-    assert_same_bits(ref, fused.accumulate_triton(codes, scales, tensor_scales, n, fmt, block), "sum")
+    assert_same_bits(
+        ref, fused.accumulate_triton(codes, scales, tensor_scales, n, fmt, block), "sum"
+    )
     decoded = [fused.decode_torch(p[0], p[1], p[2], n, fmt, block).double() for p in payloads]
     exact, magnitude = sum(decoded), sum(d.abs() for d in decoded)
-    assert bool(((ref.double() - exact).abs() <= 2 ** -22 * magnitude).all()), "not the fp32 sum of the payloads"
+    assert bool(
+        ((ref.double() - exact).abs() <= 2**-22 * magnitude).all()
+    ), "not the fp32 sum of the payloads"
 
 
 def test_e2m1_comparison_rounding_equals_exact_arithmetic():
-    from horovod_gift.kernels.rounding import E2M1, decode_e2m1_torch, encode_float_torch, round_e2m1_nearest_torch
-    grid = torch.arange(-7.0, 7.0, 2.0 ** -6)              # every tie and every step, both signs
+    from horovod_gift.kernels.rounding import (
+        E2M1,
+        decode_e2m1_torch,
+        encode_float_torch,
+        round_e2m1_nearest_torch,
+    )
+
+    grid = torch.arange(-7.0, 7.0, 2.0**-6)  # every tie and every step, both signs
     v = torch.cat([grid, torch.tensor([0.0, -0.0, 1e-30, 6.0001, 1e30, -1e30])])
     codes, values = round_e2m1_nearest_torch(v)
     assert torch.equal(codes, encode_float_torch(v, E2M1))
-    assert torch.equal(values.view(torch.int32), decode_e2m1_torch(codes).view(torch.int32)), "values (or a zero's sign)"
+    assert torch.equal(
+        values.view(torch.int32), decode_e2m1_torch(codes).view(torch.int32)
+    ), "values (or a zero's sign)"

@@ -7,13 +7,28 @@ import time
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-TRAIN = [str(ROOT / "examples" / "train_llama.py"), "--dim", "32", "--layers", "1", "--seq-len", "32",
-         "--batch-size", "4", "--quiet"]
+TRAIN = [
+    str(ROOT / "examples" / "train_llama.py"),
+    "--dim",
+    "32",
+    "--layers",
+    "1",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--quiet",
+]
 
 
 def mpirun(np, *args, timeout=240):
-    return subprocess.run(["bash", str(ROOT / "scripts" / "mpirun.sh"), str(np), sys.executable, *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "mpirun.sh"), str(np), sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 def test_a_rank_that_raises_ends_the_job_with_an_error(tmp_path):
@@ -28,18 +43,27 @@ def test_a_rank_that_raises_ends_the_job_with_an_error(tmp_path):
         "        raise RuntimeError('rank 1 fails mid-run')\n"
         "    return adamw_step(self, *args, **kwargs)\n"
         "torch.optim.AdamW.step = failing_step\n"
-        "train_llama.main()\n")
-    result = mpirun(2, str(script), *TRAIN[1:], "--steps", "50", "--compression", "gift-nvfp4", timeout=180)
+        "train_llama.main()\n"
+    )
+    result = mpirun(
+        2, str(script), *TRAIN[1:], "--steps", "50", "--compression", "gift-nvfp4", timeout=180
+    )
     assert result.returncode != 0
     assert "rank 1 fails mid-run" in result.stdout + result.stderr
 
 
 def test_restarted_processes_continue_bit_for_bit(tmp_path):
-    straight, first, resumed = tmp_path / "straight.pt", tmp_path / "first.pt", tmp_path / "resumed.pt"
+    straight, first, resumed = (
+        tmp_path / "straight.pt",
+        tmp_path / "first.pt",
+        tmp_path / "resumed.pt",
+    )
     common = [*TRAIN, "--compression", "gift-nvfp4"]
-    for args in ([*common, "--steps", "16", "--checkpoint", str(straight)],
-                 [*common, "--steps", "8", "--checkpoint", str(first)],
-                 [*common, "--steps", "16", "--resume", str(first), "--checkpoint", str(resumed)]):
+    for args in (
+        [*common, "--steps", "16", "--checkpoint", str(straight)],
+        [*common, "--steps", "8", "--checkpoint", str(first)],
+        [*common, "--steps", "16", "--resume", str(first), "--checkpoint", str(resumed)],
+    ):
         result = mpirun(2, *args)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     a = torch.load(straight, weights_only=False)["model"]
@@ -55,12 +79,26 @@ def test_a_hung_collective_ends_the_job_at_the_per_test_timeout(tmp_path):
         "import torch, horovod.torch as hvd\n"
         "def test_ranks_wait_for_different_collectives():\n"
         "    hvd.init()\n"
-        "    hvd.allreduce(torch.ones(4), name=f'never.matched.{hvd.rank()}')\n")
+        "    hvd.allreduce(torch.ones(4), name=f'never.matched.{hvd.rank()}')\n"
+    )
     start = time.monotonic()
-    result = mpirun(2, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider", "--timeout", "10",
-                    "--timeout-method", "thread",
-                    timeout=120)
+    result = mpirun(
+        2,
+        "-m",
+        "pytest",
+        str(test_file),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--timeout",
+        "10",
+        "--timeout-method",
+        "thread",
+        timeout=120,
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-2000:]
     assert time.monotonic() - start < 90
-    assert "Timeout" in output and "test_ranks_wait_for_different_collectives" in output, output[-2000:]
+    assert "Timeout" in output and "test_ranks_wait_for_different_collectives" in output, output[
+        -2000:
+    ]
