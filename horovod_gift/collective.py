@@ -116,6 +116,19 @@ def bucket_pieces(sizes, n, align):
     ]
 
 
+def fill_buckets(names, sizes, bucket_elements):
+    """Consecutive names grouped into buckets of at most bucket_elements elements (a larger tensor
+    is a bucket of its own)."""
+    buckets, current, filled = [], [], 0
+    for n in names:
+        if current and filled + sizes[n] > bucket_elements:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(n)
+        filled += sizes[n]
+    return buckets + ([current] if current else [])
+
+
 def owned_elements(sizes, process_set, align):
     """How many elements of a bucket of tensors with these sizes this rank owns (its chunk)."""
     pieces = bucket_pieces(sizes, process_set.size(), align)[process_set.rank()]

@@ -27,7 +27,7 @@ from torch.profiler import record_function
 
 from . import horovod_internals as internals
 from .checkpoint import Checkpointing
-from .collective import BucketReduction, Codec, owned_elements
+from .collective import BucketReduction, Codec, fill_buckets, owned_elements
 from .config import check_codec
 from .feedback import ErrorFeedback
 from .statistics import WhiteningStatistics
@@ -148,9 +148,8 @@ class GIFT(Checkpointing, Compressor):
         self._optimizer = None          # weak reference to the Horovod optimizer served
         # Parameters frozen now and trained later take an fp32 path: buckets must not wait for them.
         self.params = dict(params)
-        self.frozen_at_start = sorted(n for n, p in params if not p.requires_grad)
-        self._late_reported = []
-        sparse = _sparse_gradient_parameters(model)
+        self.unhooked = internals.UnhookedParameters(self.params, nonfinite, verbose)
+        sparse = internals.sparse_gradient_parameters(model)
         compressed = [n for n, p in reversed(trainable)           # backward order
                       if p.numel() >= min_elements and n not in sparse]
         # only tensors that are compressed can be whitened
@@ -159,7 +158,7 @@ class GIFT(Checkpointing, Compressor):
         self.statistics = WhiteningStatistics(model, whitenable, whitening_rank, damping,
                                               refresh_every, stat_window, self.process_set)
         self.plan = TransformPlan(self.params, transform, self.statistics, hadamard_block, seed)
-        self.buckets = _fill_buckets(compressed, {n: self.params[n].numel() for n in compressed},
+        self.buckets = fill_buckets(compressed, {n: self.params[n].numel() for n in compressed},
                                      bucket_elements)
         self.bucket_of = {n: k for k, names in enumerate(self.buckets) for n in names}
         self.feedback = ErrorFeedback(self.params, residual_dtype) if error_feedback else None
@@ -202,23 +201,9 @@ class GIFT(Checkpointing, Compressor):
         collective of GIFT's, so none waits for the others."""
         if optimizer is None or (self._optimizer is not None and self._optimizer() is optimizer):
             return
-        if internals.is_adasum(optimizer):
-            raise ValueError("GIFT does not support op=hvd.Adasum (it compresses parameter "
-                             "deltas, not averaged gradients); use op=hvd.Average")
-        if optimizer.op not in (hvd.Average, hvd.Sum):
-            raise ValueError(f"GIFT supports op=hvd.Average and op=hvd.Sum in "
-                             f"hvd.DistributedOptimizer, got op={optimizer.op!r}")
-        ps, requested = optimizer.process_set, self.requested_process_set
-        if requested is not None and ps.process_set_id != requested.process_set_id:
-            mine, theirs = map(internals.describe_process_set, (requested, ps))
-            raise ValueError(f"GIFT was made with {mine} but hvd.DistributedOptimizer reduces "
-                             f"over {theirs}; pass the optimizer's process set to "
-                             "GIFT(..., process_set=...) or leave it out")
-        if self._optimizer is not None and (ps.process_set_id != self.process_set.process_set_id
-                                            or (optimizer.op == hvd.Average) != self.average):
-            raise ValueError("GIFT: this instance already serves a Horovod optimizer with another "
-                             "process set or op; make one GIFT per optimizer")
-        self.process_set = self.statistics.process_set = ps
+        serving = (self.process_set, self.average) if self._optimizer is not None else None
+        internals.check_optimizer(optimizer, self.requested_process_set, serving)
+        self.process_set = self.statistics.process_set = optimizer.process_set
         self.average = optimizer.op == hvd.Average
         self._optimizer = weakref.ref(optimizer)
 
@@ -374,7 +359,7 @@ class GIFT(Checkpointing, Compressor):
         return self.plan.inverse(name, u, in_place=True).view(shape).to(dtype)
 
     def _end_step(self):
-        self._average_unhooked()
+        self.unhooked.average(self.current.sent, self.average, self.process_set)
         if self.plan.evaluating and not self.current.joined:
             with record_function("horovod_gift.vote"):
                 self._fold_second_stage_residuals()
@@ -384,35 +369,6 @@ class GIFT(Checkpointing, Compressor):
                                 self.process_set.rank() == 0)
         self.plan.end_step()
         self._reset_step()
-
-    def _average_unhooked(self):
-        """Reduce, in fp32, the gradients of parameters that were frozen when the optimizer was
-        wrapped and are trainable now: Horovod hooks only the parameters trainable at
-        construction, so without this each rank would step with its own gradient."""
-        late = [n for n in self.frozen_at_start
-                if self.params[n].requires_grad and n not in self.current.sent]
-        if not late:
-            return
-        if late != self._late_reported and self.verbose and hvd.rank() == 0:
-            logger.warning("parameters trainable since the optimizer was wrapped, reduced in fp32 "
-                           "by GIFT: %s", ", ".join(late))
-        self._late_reported = late
-        grads = []
-        for n in late:
-            p = self.params[n]
-            if p.grad is None:          # as Horovod does: another rank may have a gradient for it
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad.to(torch.float32).reshape(-1))
-        # one name for every step: ranks back from hvd.join() may count steps differently
-        reduced = hvd.grouped_allreduce(grads, name="gift.unhooked",
-                                        op=hvd.Average if self.average else hvd.Sum,
-                                        process_set=self.process_set)
-        for n, avg in zip(late, reduced):
-            p = self.params[n]
-            p.grad.copy_(avg.view(p.shape))
-            if self.nonfinite == "raise" and not torch.isfinite(avg).all():
-                raise FloatingPointError(f"GIFT: the averaged gradient of {n} is not finite "
-                                         "(a rank's gradient held NaN or Inf)")
 
     # ---------------------------------------------------------------- residuals
     def _fold_second_stage_residuals(self):
@@ -459,24 +415,3 @@ def _check_instance(obj):
     if not isinstance(obj, GIFT):
         raise TypeError("compression=GIFT passes the class; pass an instance made for your model: "
                         "compression=gift.GIFT(model, format='nvfp4')")
-
-
-def _sparse_gradient_parameters(model):
-    """Names of the weights of embeddings made with sparse=True: Horovod reduces their sparse
-    gradients itself and never calls compress, so no bucket may wait for them."""
-    names = set()
-    for module_name, module in model.named_modules():
-        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
-            names.add(f"{module_name}.weight" if module_name else "weight")
-    return names
-
-
-def _fill_buckets(names, sizes, bucket_elements):
-    buckets, current, filled = [], [], 0
-    for n in names:
-        if current and filled + sizes[n] > bucket_elements:
-            buckets.append(current)
-            current, filled = [], 0
-        current.append(n)
-        filled += sizes[n]
-    return buckets + ([current] if current else [])

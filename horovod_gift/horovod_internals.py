@@ -8,13 +8,20 @@ GIFT needs that optimizer's process set and op, so it reads them from the callin
 - `_DistributedAdasumOptimizer` compresses parameter deltas and has `_starting_models`.
 - Sparse gradients (without sparse_as_dense) skip `compress` and reach `decompress(out, None)`.
 - `synchronize()` sets `p.grad.set_(decompress(output, ctx))`.
+- The optimizer hooks only the parameters that require grad when it is built: parameters
+  unfrozen later are never compressed nor reduced (UnhookedParameters reduces them).
 mpi_tests/test_horovod_options.py fails if Horovod changes any of these.
 """
+import logging
 import sys
 import warnings
 import weakref
 
+import horovod.torch as hvd
+import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+logger = logging.getLogger("horovod_gift")
 
 # compress() <- _allreduce_grad_async, or <- a list comprehension <- _grouped_allreduce_grad_async
 SEARCH_DEPTH = 6
@@ -80,3 +87,75 @@ def _check_optimizer(optimizer, compressor_class):
                   "through Horovod with a different compression: GIFT does not compress them; "
                   "to compress, " + advice, stacklevel=4)
     _WARNED.add(optimizer)
+
+def check_optimizer(optimizer, requested_process_set, serving):
+    """Refuse, on every rank of the set and before any collective of GIFT's, what GIFT cannot
+    honour in the Horovod optimizer calling it: Adasum, ops other than Average and Sum, another
+    process set than the one GIFT was made with, or a second optimizer with another set or op
+    (serving: the (process set, average) GIFT already serves, or None)."""
+    if is_adasum(optimizer):
+        raise ValueError("GIFT does not support op=hvd.Adasum (it compresses parameter "
+                         "deltas, not averaged gradients); use op=hvd.Average")
+    if optimizer.op not in (hvd.Average, hvd.Sum):
+        raise ValueError(f"GIFT supports op=hvd.Average and op=hvd.Sum in "
+                         f"hvd.DistributedOptimizer, got op={optimizer.op!r}")
+    ps = optimizer.process_set
+    if (requested_process_set is not None
+            and ps.process_set_id != requested_process_set.process_set_id):
+        mine, theirs = map(describe_process_set, (requested_process_set, ps))
+        raise ValueError(f"GIFT was made with {mine} but hvd.DistributedOptimizer reduces "
+                         f"over {theirs}; pass the optimizer's process set to "
+                         "GIFT(..., process_set=...) or leave it out")
+    if serving is not None and (ps.process_set_id != serving[0].process_set_id
+                                or (optimizer.op == hvd.Average) != serving[1]):
+        raise ValueError("GIFT: this instance already serves a Horovod optimizer with another "
+                         "process set or op; make one GIFT per optimizer")
+
+
+def sparse_gradient_parameters(model):
+    """Names of the weights of embeddings made with sparse=True: Horovod reduces their sparse
+    gradients itself and never calls compress, so no bucket may wait for them."""
+    names = set()
+    for module_name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
+            names.add(f"{module_name}.weight" if module_name else "weight")
+    return names
+
+
+class UnhookedParameters:
+    """Parameters frozen when the optimizer was wrapped and trainable later: Horovod hooks only
+    the parameters trainable at construction, so GIFT averages these itself at the end of a step."""
+
+    def __init__(self, params, nonfinite, verbose):
+        self.params, self.nonfinite, self.verbose = params, nonfinite, verbose
+        self.frozen_at_start = sorted(n for n, p in params.items() if not p.requires_grad)
+        self._late_reported = []
+
+    def average(self, sent, average, process_set):
+        """Reduce, in fp32, the gradients of parameters that were frozen when the optimizer was
+        wrapped and are trainable now: Horovod hooks only the parameters trainable at
+        construction, so without this each rank would step with its own gradient."""
+        late = [n for n in self.frozen_at_start
+                if self.params[n].requires_grad and n not in sent]
+        if not late:
+            return
+        if late != self._late_reported and self.verbose and hvd.rank() == 0:
+            logger.warning("parameters trainable since the optimizer was wrapped, reduced in fp32 "
+                           "by GIFT: %s", ", ".join(late))
+        self._late_reported = late
+        grads = []
+        for n in late:
+            p = self.params[n]
+            if p.grad is None:          # as Horovod does: another rank may have a gradient for it
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad.to(torch.float32).reshape(-1))
+        # one name for every step: ranks back from hvd.join() may count steps differently
+        reduced = hvd.grouped_allreduce(grads, name="gift.unhooked",
+                                        op=hvd.Average if average else hvd.Sum,
+                                        process_set=process_set)
+        for n, avg in zip(late, reduced):
+            p = self.params[n]
+            p.grad.copy_(avg.view(p.shape))
+            if self.nonfinite == "raise" and not torch.isfinite(avg).all():
+                raise FloatingPointError(f"GIFT: the averaged gradient of {n} is not finite "
+                                         "(a rank's gradient held NaN or Inf)")
