@@ -70,6 +70,7 @@ def worker(arm, args):
     import horovod.torch as hvd
     import horovod_gift as gift
     from horovod_gift import formats
+    from horovod_gift import workspaces as reused_buffers
     from model import Llama, LlamaConfig
     hvd.init()
     torch.manual_seed(0)
@@ -104,7 +105,7 @@ def worker(arm, args):
     if options is not None:
         residuals = compression.feedback.tensors()
         stats = tensors_in(compression.statistics)
-        workspaces = list(getattr(formats._workspaces, "buffers", {}).values())
+        workspaces = list(getattr(reused_buffers._workspaces, "buffers", {}).values())
         result["held"] = {"residuals": nbytes(residuals), "statistics + factors": nbytes(stats),
                           "workspaces": nbytes(workspaces), "rotation signs (CPU)": nbytes(signs)}
         result["statistics"] = [dict(owner=name, in_features=w.in_features, bytes=nbytes(

@@ -22,7 +22,8 @@ import torch
 import horovod.torch as hvd
 
 from .config import check_codec
-from .formats import accumulate, dequantize, quantize, workspace
+from .formats import accumulate, dequantize, quantize
+from .workspaces import workspace
 
 
 @dataclass(frozen=True)

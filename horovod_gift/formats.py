@@ -8,7 +8,6 @@ decodes to NaN (so loss scalers see it), or encode raises with nonfinite="raise"
 """
 
 import functools
-import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,6 +23,7 @@ from horovod_gift.kernels.hadamard import (
 )
 
 from .config import check_codec, runs_native, runs_triton
+from .workspaces import workspace
 
 
 @dataclass(frozen=True)
@@ -81,21 +81,6 @@ def rotate(flat, rotation, inverse=False, out=None):
         return native.rotate_native(flat, segments(flat.numel(), block), signs, inverse, out)
     result = hadamard_torch(flat, block, seed, inverse, signs)
     return result if out is None else out.copy_(result)
-
-
-_workspaces = threading.local()
-
-
-def workspace(n, device, purpose):
-    """A buffer of n fp32 elements for a temporary, kept per thread, device and purpose (one user
-    at a time each) at the largest size asked for: a fresh buffer of over 32 MB is mapped anew by
-    glibc on every call and costs a page fault per 4 KB (a 1e7-element sum: 45-50 ms into a new
-    tensor, 20-22 ms into this one)."""
-    buffers = _workspaces.__dict__.setdefault("buffers", {})
-    buffer = buffers.get((device, purpose))
-    if buffer is None or buffer.numel() < n:
-        buffer = buffers[device, purpose] = torch.empty(n, dtype=torch.float32, device=device)
-    return buffer[:n]
 
 
 # The fused kernel holds a rotation's span in one tile; past this size it rotates in a pass of its
