@@ -22,7 +22,7 @@ import torch
 import horovod.torch as hvd
 
 from .config import check_codec
-from .formats import accumulate, dequantize, quantize
+from .formats import accumulate, dequantize, payload_layout, quantize
 from .workspaces import workspace
 
 
@@ -43,9 +43,7 @@ class Codec:
 
     def layout(self, m):
         """Byte sizes (codes, scales, tensor scale) of an m-element piece."""
-        if self.format == "nvfp4":
-            return (m + 1) // 2, -(-m // 16), 4
-        return m, 4 * (1 if self.block_size is None else -(-m // self.block_size)), 0
+        return payload_layout(self.format, self.block_size, m)
 
     def payload_bytes(self, m):
         return sum(self.layout(m)) if m else 0

@@ -46,12 +46,20 @@ class Encoded:
     @property
     def nbytes(self):
         """Bytes on the wire: codes and every scale."""
-        extra = 0 if self.tensor_scale is None else self.tensor_scale.numel() * 4
-        return self.codes.numel() + self.scales.numel() * self.scales.element_size() + extra
+        return sum(payload_layout(self.format, self.block_size, self.numel))
 
     @property
     def bits_per_element(self):
         return 8.0 * self.nbytes / max(1, self.numel)
+
+
+def payload_layout(format, block_size, m):
+    """Byte sizes (codes, scales, tensor scale) of m elements quantized to format: NVFP4 packs two
+    codes a byte with one E4M3 scale byte per 16 elements and an fp32 tensor scale; FP8 has a code
+    byte an element and an fp32 scale per block (one per tensor when block_size is None)."""
+    if format == "nvfp4":
+        return (m + 1) // 2, -(-m // 16), 4
+    return m, 4 * (1 if block_size is None else -(-m // block_size)), 0
 
 
 def _flat_fp32(x, name):
