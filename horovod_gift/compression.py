@@ -74,13 +74,13 @@ class GIFT(Checkpointing, Compressor):
     symmetric inverse root of its input statistic (geometry.py) and sends other tensors as they
     are. At step 100 it cuts the round-trip error 2.2-2.5x for FP8 E5M2 and NVFP4, and the error
     of AdamW's update direction 2.0-2.4x. "whiten+hadamard" adds a randomized Hadamard
-    rotation: 3-13 % less Euclidean error, but 33-39 % more error in AdamW's update (it moves
+    rotation: 3-14 % less Euclidean error, but 33-56 % more error in AdamW's update (it moves
     error onto coordinates with small second moments); "hadamard" alone does the same without
     the gain. "auto" picks per tensor among none / hadamard / whiten / whiten+hadamard by the
     Euclidean round-trip error on each refresh step (4 codec round trips per tensor there): use it
     with SGD-like optimizers, where the Euclidean error is what counts. "none": no transform.
     whitening_rank: eigenpairs of each input statistic kept; the cost is O(out * in * rank) per
-    gradient and O(in * rank) memory. 64 gains 2-4 % over 32; 16 loses ~7 %.
+    gradient and O(in * rank) memory. 64 gains 2-6 % over 32; 16 loses 7-15 %.
     damping: the floor added to the statistic, relative to its mean eigenvalue tr(A) / in. 1.0 was
     best of 0.01 ... 3 (0.1: 1.3x more error, 3: 1.1x); lower it only with fresher statistics.
     refresh_every: steps between recomputations of the whitening factors (an allreduce of
