@@ -194,11 +194,12 @@ CHUNK = CHUNK_BLOCKS * NVFP4_BLOCK
 
 
 @njit(inline="always")
-def nvfp4_quantize_chunk(y, codes, scale_codes, tensor_scale, seed_term, offset, stochastic):
+def nvfp4_quantize_chunk(y, codes, scale_codes, denoms, tensor_scale, seed_term, offset,
+                         stochastic):
     """Quantizes the CHUNK values y in place into their residuals y - values; E2M1 codes (sign
-    in bit 3) into codes, E4M3 scale codes into scale_codes (nvfp4_quantize_blocks_torch)."""
+    in bit 3) into codes, E4M3 scale codes into scale_codes (nvfp4_quantize_blocks_torch);
+    denoms: scratch of CHUNK_BLOCKS."""
     t_usable = tensor_scale > F0 and tensor_scale < INF
-    denoms = np.empty(CHUNK_BLOCKS, np.float32)
     for b in range(CHUNK_BLOCKS):
         top = np.int32(0)
         for i in range(NVFP4_BLOCK):
@@ -241,6 +242,7 @@ def make_nvfp4_quantize(feedback, stochastic):
         y = np.empty(CHUNK, np.float32)
         codes = np.empty(CHUNK, np.int32)
         chunk_scales = np.empty(CHUNK_BLOCKS, np.int32)
+        denoms = np.empty(CHUNK_BLOCKS, np.float32)
         for c in range(-(-n // CHUNK)):
             base = c * CHUNK
             count = min(CHUNK, n - base)
@@ -248,8 +250,8 @@ def make_nvfp4_quantize(feedback, stochastic):
                 y[:] = F0
             for i in range(count):
                 y[i] = x[base + i] + residual[base + i] if feedback else x[base + i]
-            nvfp4_quantize_chunk(y, codes, chunk_scales, tensor_scale, seed_term, offset + base,
-                                 stochastic)
+            nvfp4_quantize_chunk(y, codes, chunk_scales, denoms, tensor_scale, seed_term,
+                                 offset + base, stochastic)
             if feedback:
                 for i in range(count):
                     residual[base + i] = y[i]
