@@ -302,8 +302,10 @@ class GIFT(Checkpointing, Compressor):
         n, me = self.process_set.size(), self.process_set.rank()
         roll = torch.zeros(2 * n, dtype=torch.float64, device=device)
         roll[me], roll[n + me] = 1.0, float(self.step)
+        t0 = time.perf_counter()    # waiting for the slowest rank to start its step
         roll = hvd.allreduce(roll, op=hvd.Sum, name="gift.roll_call",
                              process_set=self.process_set).tolist()
+        self.telemetry.add(wait_seconds=time.perf_counter() - t0)
         if any(present != 1 for present in roll[:n]):
             return False
         if not self._verify:    # a mismatch before the first check is an error that check reports

@@ -1,6 +1,7 @@
 """What production users rely on: warm-up, logging and profiler ranges, per-rank checkpoints that
 survive a change in the number of ranks, and fp16 GradScaler training."""
 import logging
+import time
 
 import pytest
 import torch
@@ -9,6 +10,8 @@ import horovod.torch as hvd
 import horovod_gift as gift
 from helpers import assert_identical_on_all_ranks
 from test_gift import TinyLM, batch
+
+LATE_SECONDS = 0.5
 
 
 def loss_of(model, step_index):
@@ -72,6 +75,25 @@ def test_log_every_logs_one_line_on_rank_0_and_the_profiler_sees_the_codec(caplo
         assert lines == []
     names = {event.key for event in prof.key_averages()}
     assert set(gift.telemetry.PROFILER_RANGES) - {"horovod_gift.vote"} <= names, names
+
+
+def test_waiting_for_a_late_rank_is_not_counted_as_codec_time():
+    """The codec seconds are GIFT's own work: a rank that starts its step late makes the others
+    wait in GIFT's first collective of the step, and that wait is network time."""
+    model = TinyLM()
+    compression = gift.GIFT(model, format="nvfp4", verbose=False)
+    opt = wrapped(model, compression)
+    averaged_gradients(model, opt, 0)
+    before = compression.stats()
+    opt.zero_grad()
+    if hvd.rank() == 1:
+        time.sleep(LATE_SECONDS)
+    loss_of(model, 1).backward()
+    opt.step()
+    after = compression.stats()
+    if hvd.rank() != 1:
+        assert after["wait_seconds"] - before["wait_seconds"] > 0.8 * LATE_SECONDS
+        assert after["codec_seconds"] - before["codec_seconds"] < 0.5 * LATE_SECONDS
 
 
 def test_state_dict_is_this_ranks_own_and_not_collective():
