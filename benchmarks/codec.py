@@ -101,8 +101,8 @@ def speed_table(n, repeats):
         ("fp8_e5m2", None, None, 2),
         ("fp8_e4m3", 32, None, None),
         ("nvfp4", None, None, None),
-        ("nvfp4", None, (128, 0), 4),
-        ("nvfp4", None, (16, 0), 4),
+        ("nvfp4", None, gift.HadamardRotation(128, 0), 4),
+        ("nvfp4", None, gift.HadamardRotation(16, 0), 4),
     ):
         residual = torch.zeros(n)
         codes, scales, tensor_scale = formats.quantize(x, fmt, block, residual=residual)
@@ -112,7 +112,7 @@ def speed_table(n, repeats):
         def round_trip():
             c, s, t = formats.quantize(x, fmt, block, residual=residual, rotation=rotation)
             y = formats.dequantize(c, s, t, n, fmt, block, out=out)
-            return formats.rotate(y, rotation, inverse=True, out=y) if rotation else y
+            return rotation.apply(y, inverse=True, out=y) if rotation else y
 
         stages = {
             "quantize": lambda: formats.quantize(x, fmt, block, residual=residual),
@@ -124,15 +124,15 @@ def speed_table(n, repeats):
             ),
         }
         if rotation:
-            stages["rotate"] = lambda: formats.rotate(x, rotation, out=out)
-            stages["inverse rotate"] = lambda: formats.rotate(x, rotation, inverse=True, out=out)
+            stages["rotate"] = lambda: rotation.apply(x, out=out)
+            stages["inverse rotate"] = lambda: rotation.apply(x, inverse=True, out=out)
         stages["round trip"] = round_trip
         label = f"{fmt} {'per ' + str(block) if block else 'per tensor'}"
         for stage, fn in stages.items():
             t, _, ratio = paired_times(fn, fp16_round_trip, repeats)
             goal = f"<= {target}" if stage == "round trip" and target else ""
             rows.append(
-                f"| {label} | {f'hadamard {rotation[0]}' if rotation else 'none'} | yes | "
+                f"| {label} | {f'hadamard {rotation.block_size}' if rotation else 'none'} | yes | "
                 f"{stage} | {t / n * 1e9:.2f} | {ratio:.2f} | {goal} |"
             )
     return rows

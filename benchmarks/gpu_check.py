@@ -41,6 +41,7 @@ from horovod_gift.collective import BucketReduction, Codec, owned_elements  # no
 from horovod_gift.config import use_kernels  # noqa: E402
 from horovod_gift.geometry import InputWhitening  # noqa: E402
 from horovod_gift.kernels import fp8, fused, hadamard, nvfp4  # noqa: E402
+from horovod_gift.rotation import HadamardRotation  # noqa: E402
 from horovod_gift.transforms import TransformPlan  # noqa: E402
 
 DEVICE = "cuda"
@@ -250,8 +251,8 @@ class SimulatedRanks:
     def __init__(self, n, codec, transform, shapes, whitening, device):
         self.n, self.codec, self.shapes, self.device = n, codec, shapes, device
         statistics = types.SimpleNamespace(whitening={"fc.weight": whitening})
-        self.plan = TransformPlan(dict.fromkeys(shapes), transform, statistics, HADAMARD_BLOCK,
-                                  codec.seed)
+        self.plan = TransformPlan(dict.fromkeys(shapes), transform, statistics,
+                                  HadamardRotation(HADAMARD_BLOCK, codec.seed))
         self.transport = Loopback(n)
         self.process_sets = [types.SimpleNamespace(size=lambda: n, rank=lambda k=k: k)
                              for k in range(n)]

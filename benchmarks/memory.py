@@ -69,14 +69,14 @@ def nbytes(tensors):
 def worker(arm, args):
     import horovod.torch as hvd
     import horovod_gift as gift
-    from horovod_gift import formats
+    from horovod_gift import rotation
     from horovod_gift import workspaces as reused_buffers
     from model import Llama, LlamaConfig
     hvd.init()
     torch.manual_seed(0)
     signs = []                       # the CPU rotation's per-size cache, recorded as it fills
-    cached = formats.random_signs
-    formats.random_signs = lambda *a: signs.append(cached(*a)) or signs[-1]
+    cached = rotation.random_signs
+    rotation.random_signs = lambda *a: signs.append(cached(*a)) or signs[-1]
     cfg = LlamaConfig(dim=args.dim, n_layers=args.layers, n_heads=args.dim // 128,
                       hidden_dim=args.hidden, max_seq_len=args.seq_len)
     model = Llama(cfg)

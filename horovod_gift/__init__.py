@@ -14,7 +14,8 @@ from .config import FORMATS, ROUNDINGS, use_kernels
 from .collective import allreduce
 from .compression import GIFT
 from .formats import Encoded, decode, encode
-from .geometry import HadamardRotation, InputWhitening
+from .geometry import InputWhitening
+from .rotation import HadamardRotation
 
 __all__ = [
     "__version__",

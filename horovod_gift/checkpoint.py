@@ -26,7 +26,7 @@ class Checkpointing:
         return dict(format=self.codec.format, block_size=self.codec.block_size,
                     rounding=self.codec.rounding, seed=self.codec.seed, transform=self.transform,
                     error_feedback=self.error_feedback, min_elements=self.min_elements,
-                    hadamard_block=self.plan.hadamard_block, hadamard_interleave=LANES,
+                    hadamard_block=self.plan.rotation.block_size, hadamard_interleave=LANES,
                     refresh_every=self.statistics.refresh_every,
                     stat_window=self.statistics.window, whitening_rank=self.statistics.rank,
                     damping=self.statistics.damping,
@@ -60,7 +60,7 @@ class Checkpointing:
         histories, the GradScaler scale they are in) and check the ranks agree at the next step:
         call it on every rank when the number of ranks changes (hvd.elastic's on_state_reset)."""
         if self.feedback:
-            self.feedback = ErrorFeedback(self.params, self.residual_dtype)
+            self.feedback.reset()
         self.statistics.load_local_state_dict({})
         self._scale, self._verify = None, True
         self.telemetry.restart(self.step)
@@ -94,7 +94,8 @@ class Checkpointing:
         elif rank_state:
             state["rank_state"] = {
                 "rank": self.process_set.rank(), "ranks": self.process_set.size(),
-                "feedback": (self.feedback or ErrorFeedback(self.params)).state_dict(),
+                "feedback": (self.feedback.state_dict() if self.feedback
+                             else ErrorFeedback.EMPTY_STATE),
                 "statistics": self.statistics.local_state_dict(),
                 "grad_scale": self._scale}          # the residuals' units
         return state

@@ -16,6 +16,7 @@ first stage once all its members are in; the first decompress of a step puts eve
 second stage in flight together. Tensors under `min_elements`, sparse gradients and steps in
 which a rank has called hvd.join() take Horovod's own fp32 reduction.
 """
+import functools
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from .checkpoint import Checkpointing
 from .collective import BucketReduction, Codec, fill_buckets, owned_elements
 from .config import check_codec
 from .feedback import ErrorFeedback
+from .rotation import HadamardRotation
 from .statistics import WhiteningStatistics
 from .telemetry import Telemetry, logger
 from .transforms import TRANSFORMS, TransformPlan
@@ -125,6 +127,9 @@ class GIFT(Checkpointing, Compressor):
                             ("whitening_rank", whitening_rank)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GIFT: {what} must be a positive int, got {value!r}")
+        if (isinstance(hadamard_block, bool) or not isinstance(hadamard_block, int)
+                or hadamard_block < 1 or hadamard_block & (hadamard_block - 1)):
+            raise ValueError(f"GIFT: hadamard_block must be a power of two, got {hadamard_block!r}")
         if not damping > 0:
             raise ValueError(f"GIFT: damping must be positive, got {damping!r}")
         if not isinstance(start_step, int) or start_step < 0:
@@ -157,15 +162,17 @@ class GIFT(Checkpointing, Compressor):
                       if transform in WHITENING_TRANSFORMS else {})
         self.statistics = WhiteningStatistics(model, whitenable, whitening_rank, damping,
                                               refresh_every, stat_window, self.process_set)
-        self.plan = TransformPlan(self.params, transform, self.statistics, hadamard_block, seed)
+        self.plan = TransformPlan(self.params, transform, self.statistics,
+                                  HadamardRotation(hadamard_block, seed))
         self.buckets = fill_buckets(compressed, {n: self.params[n].numel() for n in compressed},
                                      bucket_elements)
         self.bucket_of = {n: k for k, names in enumerate(self.buckets) for n in names}
-        self.feedback = ErrorFeedback(self.params, residual_dtype) if error_feedback else None
+        self.feedback = (ErrorFeedback(self.params, self.buckets, self.codec.align, residual_dtype)
+                         if error_feedback else None)
         self.step = 0
         self._verify = True
         self._pending_rank_state = False  # loaded before the process set was known: apply later
-        self._grad_names = {}
+        self.grad_names = internals.GradientNames(self.params)
         self.start_step, self.grad_scaler = start_step, grad_scaler
         self._scale = None              # the GradScaler's scale the residuals are in
         self.telemetry = Telemetry(log_every)
@@ -208,7 +215,7 @@ class GIFT(Checkpointing, Compressor):
         self._optimizer = weakref.ref(optimizer)
 
     def _compress(self, tensor):
-        name = self._name_of(tensor)
+        name = self.grad_names(tensor)
         if not self.current.in_step:
             self._begin_step(tensor.device)
         self.current.outstanding += 1
@@ -252,12 +259,17 @@ class GIFT(Checkpointing, Compressor):
         self.current.in_step = True
         if self._pending_rank_state is not False:
             self._load_rank_state(self._pending_rank_state)
-        self.current.joined = not self._roll_call(device)
+        t0 = time.perf_counter()
+        everyone, largest_step = internals.roll_call(self.process_set, self.step, device)
+        self.telemetry.add(wait_seconds=time.perf_counter() - t0)   # for the slowest rank
+        self.current.joined = not everyone
         if self.current.joined:     # every tensor takes Horovod's fp32 path; nothing else runs
             self.telemetry.add(joined_steps=1)
             self.current.plain = True
             self.statistics.advance()
             return
+        if not self._verify:    # a mismatch before the first check is an error that check reports
+            self.step = largest_step
         if self._verify:
             self._check_ranks_agree()
             self._verify = False
@@ -272,11 +284,9 @@ class GIFT(Checkpointing, Compressor):
                              and self.statistics.due(self.step))
         if self.statistics.due(self.step):
             with record_function("horovod_gift.refresh"):
-                self._fold_second_stage_residuals()            # factors change this step
-                changed = self.statistics.refresh()
-                for name, old_factors in changed.items():
-                    self._convert_residual(
-                        name, lambda u, n=name, f=old_factors: self.plan.inverse(n, u, factors=f))
+                self._change_transforms(lambda: {
+                    name: functools.partial(self.plan.inverse, name, factors=old_factors)
+                    for name, old_factors in self.statistics.refresh().items()})
         self.statistics.advance()
         if self.step == 0 and self.verbose and self.process_set.rank() == 0:
             logger.info("%s", self.describe())
@@ -291,26 +301,6 @@ class GIFT(Checkpointing, Compressor):
         if self.feedback and self._scale is not None and scale != self._scale:
             self.feedback.rescale(scale / self._scale)
         self._scale = scale
-
-    def _roll_call(self, device):
-        """Whether every rank of the process set is in this step. A rank that has called
-        hvd.join() contributes zeros to allreduces, the only collective Horovod's join supports
-        (its alltoall and allgather crash), so one allreduce of (present, step) per rank tells
-        every rank the same answer. Ranks that joined early come back with fewer steps: all take
-        the largest count, so seeds, refreshes and collective names stay in step. It lives on the
-        gradients' device, where a joined rank makes its zeros (hvd.join(device))."""
-        n, me = self.process_set.size(), self.process_set.rank()
-        roll = torch.zeros(2 * n, dtype=torch.float64, device=device)
-        roll[me], roll[n + me] = 1.0, float(self.step)
-        t0 = time.perf_counter()    # waiting for the slowest rank to start its step
-        roll = hvd.allreduce(roll, op=hvd.Sum, name="gift.roll_call",
-                             process_set=self.process_set).tolist()
-        self.telemetry.add(wait_seconds=time.perf_counter() - t0)
-        if any(present != 1 for present in roll[:n]):
-            return False
-        if not self._verify:    # a mismatch before the first check is an error that check reports
-            self.step = int(max(roll[n:]))
-        return True
 
     def _start(self, bucket):
         names = self.buckets[bucket]
@@ -364,8 +354,7 @@ class GIFT(Checkpointing, Compressor):
         self.unhooked.average(self.current.sent, self.average, self.process_set)
         if self.plan.evaluating and not self.current.joined:
             with record_function("horovod_gift.vote"):
-                self._fold_second_stage_residuals()
-                self.plan.finish_vote(self._convert_residual)
+                self._change_transforms(self.plan.finish_vote)
         self.step += 1
         self.telemetry.end_step(self.step, lambda: self.plan.counts(self.bucket_of),
                                 self.process_set.rank() == 0)
@@ -373,27 +362,16 @@ class GIFT(Checkpointing, Compressor):
         self._reset_step()
 
     # ---------------------------------------------------------------- residuals
-    def _fold_second_stage_residuals(self):
+    def _change_transforms(self, change):
+        """Run change() (new whitening factors, or new transform choices), which returns the old
+        inverse map of each tensor it changed, and keep the residuals in step: stage 2 folded
+        into stage 1 before (it lives in the old coordinates of a whole bucket), each changed
+        tensor's stage 1 re-expressed in its new coordinates after."""
         if self.feedback:
-            self.feedback.fold(self.buckets, self.process_set, self.codec.align, self.average)
-
-    def _convert_residual(self, name, old_inverse):
-        if self.feedback:
-            self.feedback.convert(name, old_inverse, lambda g: self.plan.forward(name, g))
-
-    # ---------------------------------------------------------------- identity
-    def _name_of(self, tensor):
-        name = self._grad_names.get(id(tensor))
-        if name is not None and self.params[name].grad is tensor:
-            return name
-        self._grad_names = {id(p.grad): n for n, p in self.params.items() if p.grad is not None}
-        name = self._grad_names.get(id(tensor))
-        if name is not None:
-            return name
-        raise ValueError(f"GIFT.compress got a tensor of shape {tuple(tensor.shape)} that is not "
-                         "the .grad of a parameter of the model given to GIFT(model); pass the "
-                         "same model's named_parameters() to hvd.DistributedOptimizer "
-                         "(sparse_as_dense is not supported)")
+            self.feedback.fold(self.process_set, self.average)
+        for name, old_inverse in change().items():
+            if self.feedback:
+                self.feedback.convert(name, old_inverse, functools.partial(self.plan.forward, name))
 
     # ---------------------------------------------------------------- telemetry
     def describe(self):

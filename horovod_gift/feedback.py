@@ -18,8 +18,15 @@ from .collective import bucket_pieces
 
 
 class ErrorFeedback:
-    def __init__(self, params, dtype=torch.float32):
-        self.params, self.dtype = params, dtype
+    """params: name -> parameter; buckets: the parameter names of each bucket; align: the codec's
+    chunk alignment (collective.bucket_pieces)."""
+
+    def __init__(self, params, buckets, align, dtype=torch.float32):
+        self.params, self.buckets, self.align, self.dtype = params, buckets, align, dtype
+        self.reset()
+
+    def reset(self):
+        """Forget every residual (they restart at zero)."""
         self.stage1, self.stage2 = {}, {}      # parameter name -> r1; bucket index -> r2
 
     def _zeros(self, numel, device):
@@ -52,17 +59,17 @@ class ErrorFeedback:
             if not math.isfinite(total):
                 r.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
-    def fold(self, buckets, process_set, align, average):
+    def fold(self, process_set, average):
         """Move each owned r2 into the r1 of its parameters (times n for an average: stage 1 is
         summed, then averaged), so both live in per-parameter coordinates."""
         n, rank = process_set.size(), process_set.rank()
         scale = n if average else 1
         for bucket, r2 in self.stage2.items():
-            names = buckets[bucket]
+            names = self.buckets[bucket]
             sizes = [self.params[name].numel() for name in names]
             r1s = self.first_stage(names)
             offset = 0
-            for i, lo, hi in bucket_pieces(sizes, n, align)[rank]:
+            for i, lo, hi in bucket_pieces(sizes, n, self.align)[rank]:
                 r1s[i][lo:hi] += scale * r2[offset:offset + hi - lo]
                 offset += hi - lo
             r2.zero_()
@@ -85,6 +92,8 @@ class ErrorFeedback:
         each came from, on every rank."""
         return {"residual1": {n: r.to("cpu", copy=True) for n, r in self.stage1.items()},
                 "residual2": {k: r.to("cpu", copy=True) for k, r in self.stage2.items()}}
+
+    EMPTY_STATE = {"residual1": {}, "residual2": {}}   # the state of no error feedback
 
     def load_state_dict(self, state, bucket_device):
         """Residuals back on their parameters' devices (a checkpoint loaded with

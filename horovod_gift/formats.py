@@ -7,20 +7,13 @@ Values are computed in fp32. Non-finite input never becomes finite output: the w
 decodes to NaN (so loss scalers see it), or encode raises with nonfinite="raise".
 """
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from horovod_gift.kernels import fp8, fused, native, nvfp4
-from horovod_gift.kernels.hadamard import (
-    LANES,
-    hadamard_torch,
-    hadamard_triton,
-    random_signs_torch,
-    segments,
-)
+from horovod_gift.kernels.hadamard import LANES
 
 from .config import check_codec, runs_native, runs_triton
 from .workspaces import workspace
@@ -70,46 +63,26 @@ def _flat_fp32(x, name):
     return x.detach().reshape(-1).to(torch.float32).contiguous()
 
 
-@functools.lru_cache(maxsize=64)
-def random_signs(seed, n, device):
-    """The rotation's signs (int8), kept per size: every step rotates the same tensors, and the
-    hash costs more than reading them back."""
-    return random_signs_torch(seed, 0, n, device)
-
-
-def rotate(flat, rotation, inverse=False, out=None):
-    """The randomized Hadamard rotation (block, seed) of flat fp32 data, into out (a new tensor if
-    None; flat itself rotates it in place)."""
-    block, seed = rotation
-    if runs_triton(flat):
-        return hadamard_triton(flat, block, seed, inverse, out)
-    signs = random_signs(seed, flat.numel(), flat.device)
-    if runs_native(flat):
-        out = torch.empty_like(flat) if out is None else out
-        return native.rotate_native(flat, segments(flat.numel(), block), signs, inverse, out)
-    result = hadamard_torch(flat, block, seed, inverse, signs)
-    return result if out is None else out.copy_(result)
-
-
 # The fused kernel holds a rotation's span in one tile; past this size it rotates in a pass of its
 # own.
 FUSED_SPAN_MAX = 1 << 15
 
 
 def quantize(flat, format, block_size=None, stochastic=False, seed=0, residual=None, rotation=None):
-    """The codec's one entry point on flat fp32 data: optional rotation (block, seed), optional
-    error-feedback residual (fp32, updated in place), then quantization. Returns (codes, scales,
-    tensor_scale)."""
+    """The codec's one entry point on flat fp32 data: optional rotation (a HadamardRotation),
+    optional error-feedback residual (fp32, updated in place), then quantization. Returns (codes,
+    scales, tensor_scale)."""
     if runs_triton(flat):
-        span = LANES * rotation[0] if rotation is not None else 1
+        span = LANES * rotation.block_size if rotation is not None else 1
         if flat.numel() % span or span > FUSED_SPAN_MAX:
-            flat, rotation = rotate(flat, rotation), None
+            flat, rotation = rotation.apply(flat), None
+        fused_rotation = None if rotation is None else (rotation.block_size, rotation.seed)
         return fused.rotate_feedback_quantize_triton(
-            flat, residual, format, block_size, rotation, seed, stochastic
+            flat, residual, format, block_size, fused_rotation, seed, stochastic
         )
     if rotation is not None:
         # quantization only reads the rotated copy: a per-thread buffer spares the page faults
-        flat = rotate(flat, rotation, out=workspace(flat.numel(), flat.device, "rotated"))
+        flat = rotation.apply(flat, out=workspace(flat.numel(), flat.device, "rotated"))
     if runs_native(flat):
         result = native.quantize_native(flat, residual, format, block_size, seed, stochastic)
         if result is not None:

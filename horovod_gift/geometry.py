@@ -2,7 +2,7 @@
 are linear, and are identical on every rank, so ranks may sum in the transformed space and map
 back once.
 
-HadamardRotation: u = H D x / sqrt(B) on blocks of the flattened tensor (kernels/hadamard.py).
+(The other transform, the randomized Hadamard rotation, is rotation.HadamardRotation.)
 
 InputWhitening: the K-FAC input-side factor of an nn.Linear. With A = E[x x^T] of the layer's
 input activations, (U_r, Lam_r) its top r eigenpairs and the damping delta = damping * tr(A) / in
@@ -32,7 +32,6 @@ sqrt="symmetric" (A_hat^{1/2}) are dense, O(out * in^2), for comparison in the b
 
 import torch
 
-from .formats import rotate
 from .sketch import OVERSAMPLING, DenseCovariance, NystromSketch
 
 # The factors of the identity map: those of a layer before its first refresh.
@@ -40,33 +39,6 @@ IDENTITY_FACTORS = {}
 SQUARE_ROOTS = ("isotropic", "diagonal", "cholesky", "symmetric")
 LOW_RANK_ROOTS = ("isotropic", "diagonal")
 STATISTICS = ("sketch", "dense")
-
-
-class HadamardRotation:
-    """Orthonormal randomized Hadamard rotation on blocks of `block_size` (a power of two) of the
-    flattened tensor. Each span of 16 * block_size elements holds 16 interleaved blocks (block j:
-    elements j, j + 16, ...); what is left after the last span is rotated in contiguous blocks, and
-    a tail shorter than a block in smaller power-of-two blocks (kernels/hadamard.py says why)."""
-
-    def __init__(self, block_size=128, seed=0):
-        if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
-            raise ValueError(
-                f"HadamardRotation: block_size must be a power of two, got {block_size!r}"
-            )
-        self.block_size, self.seed = block_size, int(seed)
-
-    def _apply(self, x, inverse):
-        flat = x.detach().reshape(-1).to(torch.float32).contiguous()
-        return rotate(flat, (self.block_size, self.seed), inverse).view(x.shape).to(x.dtype)
-
-    def forward(self, x):
-        return self._apply(x, inverse=False)
-
-    def inverse(self, u):
-        return self._apply(u, inverse=True)
-
-    def __repr__(self):
-        return f"HadamardRotation(block_size={self.block_size}, seed={self.seed})"
 
 
 class InputWhitening:

@@ -8,6 +8,9 @@ GIFT needs that optimizer's process set and op, so it reads them from the callin
 - `_DistributedAdasumOptimizer` compresses parameter deltas and has `_starting_models`.
 - Sparse gradients (without sparse_as_dense) skip `compress` and reach `decompress(out, None)`.
 - `synchronize()` sets `p.grad.set_(decompress(output, ctx))`.
+- `compress` receives `p.grad` itself (GradientNames finds the parameter by identity).
+- A rank in `hvd.join()` contributes zeros to allreduces, the only collective join supports
+  (its alltoall and allgather crash): roll_call tells every rank whether all are in the step.
 - The optimizer hooks only the parameters that require grad when it is built: parameters
   unfrozen later are never compressed nor reduced (UnhookedParameters reduces them).
 mpi_tests/test_horovod_options.py fails if Horovod changes any of these.
@@ -110,6 +113,41 @@ def check_optimizer(optimizer, requested_process_set, serving):
                                 or (optimizer.op == hvd.Average) != serving[1]):
         raise ValueError("GIFT: this instance already serves a Horovod optimizer with another "
                          "process set or op; make one GIFT per optimizer")
+
+
+def roll_call(process_set, step, device):
+    """(every rank of the set is in this step, the largest step count among them): one allreduce
+    of (present, step) per rank, to which a rank in hvd.join() contributes zeros. Ranks that
+    joined early come back with fewer steps; all take the largest count, so seeds, refreshes and
+    collective names stay in step. It lives on the gradients' device, where a joined rank makes
+    its zeros (hvd.join(device))."""
+    n, me = process_set.size(), process_set.rank()
+    roll = torch.zeros(2 * n, dtype=torch.float64, device=device)
+    roll[me], roll[n + me] = 1.0, float(step)
+    roll = hvd.allreduce(roll, op=hvd.Sum, name="gift.roll_call", process_set=process_set).tolist()
+    return all(present == 1 for present in roll[:n]), int(max(roll[n:]))
+
+
+class GradientNames:
+    """The parameter a gradient handed to compress() belongs to. Horovod passes p.grad itself,
+    with no name; after zero_grad() sets it to None, p.grad is a new tensor every step, so the
+    map from id(p.grad) is rebuilt whenever a lookup misses."""
+
+    def __init__(self, params):
+        self.params, self._names = params, {}
+
+    def __call__(self, tensor):
+        name = self._names.get(id(tensor))
+        if name is not None and self.params[name].grad is tensor:
+            return name
+        self._names = {id(p.grad): n for n, p in self.params.items() if p.grad is not None}
+        name = self._names.get(id(tensor))
+        if name is not None:
+            return name
+        raise ValueError(f"GIFT.compress got a tensor of shape {tuple(tensor.shape)} that is not "
+                         "the .grad of a parameter of the model given to GIFT(model); pass the "
+                         "same model's named_parameters() to hvd.DistributedOptimizer "
+                         "(sparse_as_dense is not supported)")
 
 
 def sparse_gradient_parameters(model):

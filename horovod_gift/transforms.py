@@ -9,18 +9,20 @@ from earlier batches only, as on the steps that follow it, so the vote measures 
 get. The GIFT class docstring says when to use which (benchmarks/results/fidelity.md).
 """
 
+import functools
+
 import torch
 import horovod.torch as hvd
 
-from .formats import rotate
 
 TRANSFORMS = ("auto", "none", "hadamard", "whiten", "whiten+hadamard")
 
 
 class TransformPlan:
-    def __init__(self, params, transform, statistics, hadamard_block, seed):
+    def __init__(self, params, transform, statistics, rotation):
+        """rotation: the HadamardRotation of the "hadamard" transforms."""
         self.params, self.transform, self.statistics = params, transform, statistics
-        self.hadamard_block, self.seed = hadamard_block, seed
+        self.rotation = rotation
         self.evaluating, self._errors, self._vote = False, {}, None
         self.choice = {}
         for name in params:
@@ -53,9 +55,7 @@ class TransformPlan:
             x = w.forward(rows, out=rows if writable(rows) and rows.is_contiguous() else None)
         flat = x.reshape(-1).contiguous()
         if plan.endswith("hadamard"):
-            return rotate(
-                flat, (self.hadamard_block, self.seed), out=flat if writable(flat) else None
-            )
+            return self.rotation.apply(flat, out=flat if writable(flat) else None)
         return flat
 
     def inverse(self, name, u, plan=None, factors=None, in_place=False):
@@ -64,9 +64,7 @@ class TransformPlan:
         plan = plan or self.choice[name]
         x = u
         if plan.endswith("hadamard"):
-            x = rotate(
-                u, (self.hadamard_block, self.seed), inverse=True, out=u if in_place else None
-            )
+            x = self.rotation.apply(u, inverse=True, out=u if in_place else None)
         if plan.startswith("whiten"):
             w = self.statistics.whitening[name]
             rows = x.view(-1, w.in_features)
@@ -105,19 +103,21 @@ class TransformPlan:
                 ),
             )
 
-    def finish_vote(self, convert_residual):
-        """Apply the vote after the step's results were mapped back with the old transforms."""
+    def finish_vote(self):
+        """Apply the vote after the step's results were mapped back with the old transforms.
+        Returns the old inverse map of each tensor whose transform changed (name -> callable)."""
         if self._vote is None:
-            return
+            return {}
         names, handle = self._vote
         totals = hvd.synchronize(handle).nan_to_num(nan=float("inf"))
+        old_inverses = {}
         for name, total in zip(names, totals):
             candidates = self.candidates(name)
             best = candidates[int(torch.argmin(total[: len(candidates)]))]
             if best != self.choice[name]:
-                old = self.choice[name]
+                old_inverses[name] = functools.partial(self.inverse, name, plan=self.choice[name])
                 self.choice[name] = best
-                convert_residual(name, lambda u, n=name, o=old: self.inverse(n, u, plan=o))
+        return old_inverses
 
     def begin_step(self, evaluating):
         """evaluating: this step's gradients are judged for the "auto" vote (a refresh step)."""

@@ -215,7 +215,8 @@ def test_a_resumed_run_with_a_grad_scaler_continues_bit_for_bit():
         assert all(torch.equal(x, y) for x, y in zip(a, b)), "resumed run differs"
 
 
-@pytest.mark.parametrize("argument,value", [("refresh_every", 0), ("stat_window", 0),
+@pytest.mark.parametrize("argument,value", [("hadamard_block", 100), ("refresh_every", 0),
+                                            ("stat_window", 0),
                                             ("damping", 0.0), ("start_step", -1),
                                             ("log_every", -2), ("grad_scaler", object())])
 def test_bad_arguments_are_refused_by_name(argument, value):

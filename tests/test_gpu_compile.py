@@ -69,6 +69,7 @@ def drive_codec():
     from horovod_gift import formats
     from horovod_gift.config import use_kernels
     from horovod_gift.kernels import fp8, nvfp4
+    from horovod_gift.rotation import HadamardRotation
 
     x = torch.randn(
         4096 + 128 + 37
@@ -82,7 +83,7 @@ def drive_codec():
             ("fp8_e5m2", None),
             ("fp8_e5m2", 16),
         ):
-            for rotation in (None, (128, 1), (16, 1)):
+            for rotation in (None, HadamardRotation(128, 1), HadamardRotation(16, 1)):
                 for stochastic in (False, True):
                     for data in (x, spans) if rotation else (x,):
                         for residual in (None, torch.zeros_like(data)):
@@ -102,7 +103,7 @@ def drive_codec():
                 block,
             )
         for inverse in (False, True):
-            formats.rotate(x, (128, 1), inverse)
+            HadamardRotation(128, 1).apply(x, inverse)
     for stochastic in (False, True):  # the stand-alone encoders that gpu_check.py also times
         nvfp4.nvfp4_encode_triton(x, torch.ones(1), 3, stochastic)
         for fmt, block in (("fp8_e4m3", None), ("fp8_e5m2", 32)):

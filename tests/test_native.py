@@ -6,6 +6,7 @@ import torch
 import horovod_gift as gift
 from horovod_gift import formats
 from horovod_gift.kernels import native
+from horovod_gift.rotation import HadamardRotation
 
 CODECS = [("nvfp4", None), ("fp8_e4m3", None), ("fp8_e4m3", 32), ("fp8_e5m2", None),
           ("fp8_e5m2", 1), ("fp8_e5m2", 4096)]
@@ -103,13 +104,14 @@ def test_rotation_equals_reference_into_any_output(block, inverse):
     n = 70_037
     x = sample(n, 3)
     with gift.use_kernels("torch"):
-        expected = formats.rotate(x, (block, 9), inverse)
+        expected = HadamardRotation(block, 9).apply(x, inverse)
     with gift.use_kernels("native"):
         into = torch.full((n,), float("nan"))
         in_place = x.clone()
-        results = {"new": formats.rotate(x, (block, 9), inverse),
-                   "into": formats.rotate(x, (block, 9), inverse, out=into),
-                   "in place": formats.rotate(in_place, (block, 9), inverse, out=in_place)}
+        rotation = HadamardRotation(block, 9)
+        results = {"new": rotation.apply(x, inverse),
+                   "into": rotation.apply(x, inverse, out=into),
+                   "in place": rotation.apply(in_place, inverse, out=in_place)}
     assert results["into"] is into and results["in place"] is in_place
     for name, result in results.items():
         assert torch.equal(bits(result), bits(expected)), f"{name}: differs from the reference"
@@ -129,7 +131,7 @@ def test_threads_give_the_same_bits(monkeypatch, fmt, block):
         try:
             with gift.use_kernels("native"):
                 residual = torch.full((n,), 1e-3)
-                rotated = formats.rotate(x, (128, 2))
+                rotated = HadamardRotation(128, 2).apply(x)
                 payload = formats.quantize(rotated, fmt, block, residual=residual)
                 total = formats.accumulate(torch.stack([payload[0]] * 2),
                                            torch.stack([payload[1]] * 2),
