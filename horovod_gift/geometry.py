@@ -25,20 +25,19 @@ not rotation-invariant, so the choice of S can matter (benchmarks/results/fideli
 Both are applied as  forward: u = (G / d) (I + P diag(c-) P^T),  inverse: G = (u (I + P diag(c+)
 P^T)) d, with d = D^{1/2} (a constant s^{1/2} for "isotropic"): O(out * in * r) each.
 A is kept as a Nystrom sketch (statistic="sketch", the default: O(in * (r + oversampling)) memory,
-(U_r, Lam_r) are those of its approximation; sketch.py) or dense (statistic="dense", for
-comparison). sqrt="cholesky" (the paper's L = chol(A_hat), A_hat as for "diagonal") and
-sqrt="symmetric" (A_hat^{1/2}) are dense, O(out * in^2), for comparison in the benchmarks.
+(U_r, Lam_r) are those of its approximation; sketch.py), or as any other EmaStatistic given as
+statistic= (benchmarks/dense_statistic.py keeps the dense A, for comparison). sqrt="cholesky"
+(the paper's L = chol(A_hat), A_hat as for "diagonal") and sqrt="symmetric" (A_hat^{1/2}) are dense, O(out * in^2), for comparison in the benchmarks.
 """
 
 import torch
 
-from .sketch import OVERSAMPLING, DenseCovariance, NystromSketch
+from .sketch import OVERSAMPLING, EmaStatistic, NystromSketch
 
 # The factors of the identity map: those of a layer before its first refresh.
 IDENTITY_FACTORS = {}
 SQUARE_ROOTS = ("isotropic", "diagonal", "cholesky", "symmetric")
 LOW_RANK_ROOTS = ("isotropic", "diagonal")
-STATISTICS = ("sketch", "dense")
 
 
 class InputWhitening:
@@ -63,9 +62,9 @@ class InputWhitening:
             raise ValueError(
                 f"InputWhitening: unknown sqrt {sqrt!r}; expected one of {SQUARE_ROOTS}"
             )
-        if statistic not in STATISTICS:
+        if statistic != "sketch" and not isinstance(statistic, EmaStatistic):
             raise ValueError(
-                f"InputWhitening: unknown statistic {statistic!r}; expected one of {STATISTICS}"
+                f"InputWhitening: statistic must be 'sketch' or an EmaStatistic, got {statistic!r}"
             )
         if not 0 <= ema < 1:
             raise ValueError(f"InputWhitening: ema must be in [0, 1), got {ema!r}")
@@ -79,7 +78,7 @@ class InputWhitening:
             columns = min(self.rank + int(oversampling), self.in_features)
             self.statistic = NystromSketch(self.in_features, columns, seed)
         else:
-            self.statistic = DenseCovariance(self.in_features)
+            self.statistic = statistic
         self.factors = None  # identity until the first fold with refresh
 
     # ---------------------------------------------------------------- statistics

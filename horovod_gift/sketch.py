@@ -1,5 +1,6 @@
 """The statistic behind input whitening: A = E[x x^T] of an nn.Linear's inputs (an EMA over
-batches), kept as a streaming Nystrom sketch (the default) or as the dense matrix (for comparison).
+batches), kept as a streaming Nystrom sketch (benchmarks/dense_statistic.py keeps the dense
+matrix, for comparison).
 
 Input whitening needs the top r eigenpairs of A and diag(A) (geometry.py). The dense A costs in^2
 memory, an allreduce of in^2 numbers per refresh and an O(in^3) eigh: about 12 GB per rank at
@@ -131,27 +132,3 @@ class NystromSketch(EmaStatistic):
         b = torch.linalg.solve_triangular(chol, y_shifted.t(), upper=False).t()
         u, s, _ = torch.linalg.svd(b, full_matrices=False)
         return (s[:rank].square() - shift).clamp_min(0), u[:, :rank], diagonal
-
-
-class DenseCovariance(EmaStatistic):
-    """state = A (in x in, row-major), fp64: O(in^2) memory, O(in^3) eigh. For comparison only."""
-
-    dtype = torch.float64
-
-    def __init__(self, in_features):
-        self.in_features = int(in_features)
-        self.numel = self.in_features ** 2
-        self.state = None
-
-    def accumulate(self, x, into):
-        """into (numel, fp64) += X^T X for a (tokens, in) fp64 X."""
-        into.view(self.in_features, self.in_features).addmm_(x.t(), x)
-
-    @property
-    def diagonal(self):
-        return self.state.view(self.in_features, self.in_features).diagonal()
-
-    def eigenpairs(self, rank):
-        a = self.state.view(self.in_features, self.in_features)
-        lam, vec = torch.linalg.eigh(a)
-        return lam[-rank:].clamp_min(0), vec[:, -rank:], a.diagonal()

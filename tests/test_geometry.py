@@ -1,9 +1,15 @@
 """HadamardRotation and InputWhitening: exact inverses, orthonormality, whitening."""
+import pathlib
+import sys
+
 import pytest
 import torch
 
 import horovod_gift as gift
 from horovod_gift.kernels.hadamard import random_signs_torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+from dense_statistic import DenseCovariance  # noqa: E402  (the exact statistic, for reference)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -102,7 +108,8 @@ def test_low_rank_whitening_flattens_the_spectrum(sqrt):
     tests/test_sketch.py."""
     x = spiked_activations()
     before = torch.linalg.cond(covariance(x))
-    w = gift.InputWhitening(96, rank=8, damping=1e-3, sqrt=sqrt, statistic="dense")
+    w = gift.InputWhitening(96, rank=8, damping=1e-3, sqrt=sqrt,
+                            statistic=DenseCovariance(96))
     w.update(x)
     after = torch.linalg.cond(covariance(w.whiten_activations(x)))
     assert before > 1000 and after < 2.5
@@ -112,7 +119,7 @@ def test_isotropic_root_flattens_the_spikes_and_keeps_the_diagonal_floor():
     """The isotropic remainder replaces the diagonal noise floor (0.1 ... 1.1 here) by its mean:
     the spikes go, the floor's own spread (11x) stays."""
     x = spiked_activations()
-    w = gift.InputWhitening(96, rank=8, damping=1e-3, statistic="dense")
+    w = gift.InputWhitening(96, rank=8, damping=1e-3, statistic=DenseCovariance(96))
     w.update(x)
     after = torch.linalg.cond(covariance(w.whiten_activations(x)))
     assert after < 15
@@ -129,7 +136,7 @@ def test_isotropic_root_is_the_symmetric_root_of_low_rank_plus_mean():
     sigma, delta = (a.trace() - lam.sum()) / 40, 0.1 * a.trace() / 48
     a_hat = (u * lam) @ u.t() + sigma * (torch.eye(48, dtype=torch.float64) - u @ u.t())
     e_hat, v_hat = torch.linalg.eigh(a_hat + delta * torch.eye(48, dtype=torch.float64))
-    w = gift.InputWhitening(48, rank=8, damping=0.1, statistic="dense")
+    w = gift.InputWhitening(48, rank=8, damping=0.1, statistic=DenseCovariance(48))
     w.update(x)
     g = torch.randn(20, 48, generator=torch.Generator().manual_seed(1))
     root_inv, root = ((v_hat * e_hat.pow(p)) @ v_hat.t() for p in (-0.5, 0.5))
@@ -220,7 +227,8 @@ def test_whitening_into_out_or_in_place_gives_the_same_bits(sqrt, monkeypatch):
 
 @pytest.mark.parametrize("statistic", ["sketch", "dense"])
 def test_whitening_statistic_is_an_ema_and_checks_shapes(statistic):
-    w = gift.InputWhitening(4, rank=2, ema=0.5, statistic=statistic)
+    make = {"sketch": lambda: "sketch", "dense": lambda: DenseCovariance(4)}[statistic]
+    w = gift.InputWhitening(4, rank=2, ema=0.5, statistic=make())
     a, b = torch.randn(100, 4), torch.randn(100, 4) * 3
     w.update(a)
     w.update(b)
@@ -235,7 +243,7 @@ def test_whitening_statistic_is_an_ema_and_checks_shapes(statistic):
         w.update(torch.randn(3, 5))
     with pytest.raises(ValueError, match=r"expected a \(out, 4\) tensor"):
         w.forward(torch.randn(4, 3))
-    restored = gift.InputWhitening(4, rank=2, ema=0.5, statistic=statistic)
+    restored = gift.InputWhitening(4, rank=2, ema=0.5, statistic=make())
     restored.load_state_dict(w.state_dict())
     g = torch.randn(3, 4)
     assert torch.equal(restored.forward(g), w.forward(g))

@@ -13,7 +13,7 @@ import horovod_gift as gift
 from horovod_gift import sketch
 from horovod_gift.sketch import NystromSketch, sketching_matrix
 from horovod_gift.statistics import WhiteningStatistics
-from test_geometry import spiked_activations
+from test_geometry import DenseCovariance, spiked_activations
 
 CPU = torch.device("cpu")
 
@@ -60,7 +60,7 @@ def test_sketch_whitening_on_a_flat_noise_floor_tends_to_the_dense_one():
     sketch is exact and whitens as the dense statistic does (up to fp32 rounding)."""
     x = spiked_activations()
     common = dict(rank=8, damping=1e-3, sqrt="diagonal")   # the floor's spread kept by isotropic
-    dense = gift.InputWhitening(96, statistic="dense", **common)
+    dense = gift.InputWhitening(96, statistic=DenseCovariance(96), **common)
     default = gift.InputWhitening(96, **common)
     exact = gift.InputWhitening(96, oversampling=88, **common)
     for w in (dense, default, exact):
