@@ -1,7 +1,6 @@
 """Byte-level text corpus. The default is real text on every machine without a download: the
 source of the Python standard library that runs this script. `--data PATH` reads the user's own
 text file (or every *.py, *.txt, *.md, *.rst file under a directory)."""
-import os
 import pathlib
 import sysconfig
 

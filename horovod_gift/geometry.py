@@ -27,7 +27,8 @@ P^T)) d, with d = D^{1/2} (a constant s^{1/2} for "isotropic"): O(out * in * r) 
 A is kept as a Nystrom sketch (statistic="sketch", the default: O(in * (r + oversampling)) memory,
 (U_r, Lam_r) are those of its approximation; sketch.py), or as any other EmaStatistic given as
 statistic= (benchmarks/dense_statistic.py keeps the dense A, for comparison). sqrt="cholesky"
-(the paper's L = chol(A_hat), A_hat as for "diagonal") and sqrt="symmetric" (A_hat^{1/2}) are dense, O(out * in^2), for comparison in the benchmarks.
+(the paper's L = chol(A_hat), A_hat as for "diagonal") and sqrt="symmetric" (A_hat^{1/2}) are
+dense, O(out * in^2), for comparison in the benchmarks.
 """
 
 import torch

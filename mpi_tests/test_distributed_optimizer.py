@@ -2,7 +2,7 @@
 import torch
 import horovod.torch as hvd
 
-from helpers import COMM, assert_identical_on_all_ranks
+from helpers import assert_identical_on_all_ranks
 
 
 def small_model():

@@ -6,7 +6,7 @@ import torch
 import horovod.torch as hvd
 
 import horovod_gift as gift
-from helpers import COMM, assert_identical_on_all_ranks, assert_same_on_all_ranks
+from helpers import COMM, assert_identical_on_all_ranks
 from test_gift import TinyLM, batch
 
 

@@ -1,5 +1,4 @@
 """The public codec: encode / decode on every format, edge cases, error bounds and sizes."""
-import math
 
 import pytest
 import torch

@@ -182,5 +182,5 @@ def test_decode_and_sum_into_a_slice_write_only_that_slice(backend, fmt, block):
         assert torch.isnan(result[:100]).all() and torch.isnan(result[100 + n:]).all()
         with pytest.raises(ValueError, match=f"contiguous float32 tensor of {n} elements"):
             formats.dequantize(*payload, n, fmt, block, out=result[:n + 1])
-        with pytest.raises(ValueError, match=f"accumulate: out must be a contiguous float32"):
+        with pytest.raises(ValueError, match="accumulate: out must be a contiguous float32"):
             formats.accumulate(*args, out=result[:n - 1])

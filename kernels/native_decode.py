@@ -1,0 +1,113 @@
+"""The native decoders (numba): the fp32 sum, in order, of k FP8 or NVFP4 payloads (k = 1:
+decoding), tile by tile, bit for bit as fused.accumulate_torch and fused.decode_torch."""
+import numpy as np
+from numba import njit
+
+from .native_scalars import E4M3, F0, FP8_FORMATS, KERNEL, NVFP4_BLOCK, decode_float
+
+
+# The value of each E2M1 code (sign in bit 3). A byte's two codes are looked up in this
+# 16-entry table: measured 4x faster than decoding them arithmetically, or than looking both up
+# at once in a 256-entry table of pairs.
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6],
+                       np.float32)
+# The decoders take whole (k, ...) payload arrays and a range [first, last) of tiles: a row of
+# a C-contiguous 2D array sliced inside the kernel is a contiguous 1D view indexed from 0, which
+# LLVM vectorizes; a (k, part) slice taken outside would be a strided 2D view, which it does not.
+@njit(inline="always")
+def add_payload(total, values, j, from_zero, count):
+    """total (+)= values over count elements: payload j of the sum in order, as
+    fused.accumulate_stage (from_zero: +0 first, so +0 + -0 is +0) or decode_torch."""
+    if j == 0 and not from_zero:
+        for i in range(count):
+            total[i] = values[i]
+    elif j == 0:
+        for i in range(count):
+            total[i] = F0 + values[i]
+    else:
+        for i in range(count):
+            total[i] += values[i]
+
+
+@njit(inline="always")
+def nvfp4_values(codes, denoms, values, count):
+    """values[:count] = the E2M1 values of packed codes times their block's denominator: whole
+    blocks in fixed loops of 8 bytes (which vectorize), the last partial block element by
+    element."""
+    whole = count // NVFP4_BLOCK
+    for b in range(whole):
+        denom = denoms[b]
+        block_codes = codes[b * 8: b * 8 + 8]
+        block_values = values[b * NVFP4_BLOCK: (b + 1) * NVFP4_BLOCK]
+        for i in range(8):
+            byte = block_codes[i]
+            block_values[2 * i] = E2M1_VALUES[byte & 15] * denom
+            block_values[2 * i + 1] = E2M1_VALUES[byte >> 4] * denom
+    for i in range(whole * NVFP4_BLOCK, count):
+        code = (codes[i >> 1] >> ((i & 1) * 4)) & 15
+        values[i] = E2M1_VALUES[code] * denoms[whole]
+
+
+def make_nvfp4_accumulate(from_zero):
+    @njit(**KERNEL)
+    def nvfp4_accumulate(packed, scale_codes, tensor_scales, out, first, last):
+        """out[chunks first..last-1] = the fp32 sum in order of k NVFP4 payloads: packed
+        (k, bytes), scale_codes (k, blocks), tensor_scales (k,). from_zero: the sum starts at +0
+        (fused.accumulate_stage); otherwise at the first payload (decode)."""
+        n = out.size
+        values = np.empty(DECODE_TILE, np.float32)
+        denoms = np.empty(DECODE_TILE // NVFP4_BLOCK, np.float32)
+        for c in range(first, last):
+            base = c * DECODE_TILE
+            count = min(DECODE_TILE, n - base)
+            blocks = -(-count // NVFP4_BLOCK)
+            for j in range(packed.shape[0]):
+                codes = packed[j, base // 2: base // 2 + (count + 1) // 2]
+                scales = scale_codes[j, base // NVFP4_BLOCK: base // NVFP4_BLOCK + blocks]
+                for b in range(blocks):
+                    denoms[b] = decode_float(np.int32(scales[b]), E4M3[0], E4M3[1],
+                                             E4M3[2]) * tensor_scales[j]
+                nvfp4_values(codes, denoms, values, count)
+                add_payload(out[base: base + count], values, j, from_zero, count)
+
+    return nvfp4_accumulate
+
+
+def make_fp8_accumulate(from_zero, per_tensor, fmt):
+    ebits, mbits, bias, _ = fmt
+
+    @njit(**KERNEL)
+    def fp8_accumulate(codes, scales, block, out, first, last):
+        """out[tiles first..last-1] = the fp32 sum in order of k FP8 payloads: codes (k, >= n),
+        scales (k, blocks), or (k, 1) per tensor; a tile is whole blocks (per tensor: any
+        4096 elements); from_zero as in nvfp4_accumulate."""
+        n = out.size
+        tile = FP8_TILE if per_tensor else block * max(1, FP8_TILE // block)
+        values = np.empty(tile, np.float32)
+        for t in range(first, last):
+            base = t * tile
+            count = min(tile, n - base)
+            for j in range(codes.shape[0]):
+                row = codes[j, base: base + count]
+                for i in range(count):
+                    values[i] = decode_float(np.int32(row[i]), ebits, mbits, bias)
+                if per_tensor:
+                    for i in range(count):
+                        values[i] *= scales[j, 0]
+                else:  # whole blocks: the tail's extra values are never added to out
+                    for b in range(-(-count // block)):
+                        scale = scales[j, base // block + b]
+                        for i in range(block):
+                            values[b * block + i] *= scale
+                add_payload(out[base: base + count], values, j, from_zero, count)
+
+    return fp8_accumulate
+
+
+# Elements of an NVFP4 decoding tile (a multiple of 16)
+DECODE_TILE = 4096
+# Elements of an FP8 tile: the decoded values of one payload stay in L1 while they are added.
+FP8_TILE = 4096
+NVFP4_ACCUMULATE = {z: make_nvfp4_accumulate(z) for z in (False, True)}
+FP8_ACCUMULATE = {(z, t, name): make_fp8_accumulate(z, t, fmt) for z in (False, True)
+                  for t in (False, True) for name, fmt in FP8_FORMATS.items()}
