@@ -19,6 +19,7 @@ import time
 import torch
 
 import horovod_gift as gift
+from dense_whitening import whitening
 from horovod_gift import formats
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -150,7 +151,7 @@ def whitening_table(repeats):
         g = torch.randn(1024, n_in)
         cells = []
         for sqrt in ("isotropic", "cholesky"):
-            w = gift.InputWhitening(n_in, rank=32, sqrt=sqrt)
+            w = whitening(n_in, rank=32, sqrt=sqrt)
             w.update(x)
             cells.append(median_time(lambda: w.inverse(w.forward(g)), repeats))
         rows.append(

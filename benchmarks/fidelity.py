@@ -33,7 +33,8 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 import horovod_gift as gift  # noqa: E402
-from dense_statistic import DenseCovariance  # noqa: E402
+from dense_whitening import DenseCovariance  # noqa: E402
+from dense_whitening import whitening as make_whitening  # noqa: E402
 from data import ByteBatches, read_corpus  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
 
@@ -125,8 +126,8 @@ def whitening(spec, a):
         parts = spec.split("-")
         root, rank = parts[0], n if parts[1] == "rfull" else int(parts[1][1:])
         damping, dense = float(parts[2][1:]), spec.endswith("-dense")
-    w = gift.InputWhitening(n, rank=rank, damping=damping, sqrt=root,
-                            statistic=DenseCovariance(n) if dense else "sketch")
+    w = make_whitening(n, rank=rank, damping=damping, sqrt=root,
+                       statistic=DenseCovariance(n) if dense else "sketch")
     if dense:
         w.statistic.state = a.reshape(-1).clone()
     else:

@@ -26,9 +26,8 @@ Both are applied as  forward: u = (G / d) (I + P diag(c-) P^T),  inverse: G = (u
 P^T)) d, with d = D^{1/2} (a constant s^{1/2} for "isotropic"): O(out * in * r) each.
 A is kept as a Nystrom sketch (statistic="sketch", the default: O(in * (r + oversampling)) memory,
 (U_r, Lam_r) are those of its approximation; sketch.py), or as any other EmaStatistic given as
-statistic= (benchmarks/dense_statistic.py keeps the dense A, for comparison). sqrt="cholesky"
-(the paper's L = chol(A_hat), A_hat as for "diagonal") and sqrt="symmetric" (A_hat^{1/2}) are
-dense, O(out * in^2), for comparison in the benchmarks.
+statistic=. The dense A and the dense roots (the paper's Cholesky factor, the full symmetric
+root: O(out * in^2)) are benchmarks/dense_whitening.py's, for comparison only.
 """
 
 import torch
@@ -37,8 +36,6 @@ from .sketch import OVERSAMPLING, EmaStatistic, NystromSketch
 
 # The factors of the identity map: those of a layer before its first refresh.
 IDENTITY_FACTORS = {}
-SQUARE_ROOTS = ("isotropic", "diagonal", "cholesky", "symmetric")
-LOW_RANK_ROOTS = ("isotropic", "diagonal")
 
 
 class InputWhitening:
@@ -47,6 +44,8 @@ class InputWhitening:
 
     rank: eigenpairs of A kept (r); damping: delta / (tr(A) / in), see the module docstring;
     ema: weight of the old statistic in update() and fold(); sqrt, statistic: module docstring."""
+
+    SQUARE_ROOTS = ("isotropic", "diagonal")
 
     def __init__(
         self,
@@ -59,9 +58,9 @@ class InputWhitening:
         oversampling=OVERSAMPLING,
         seed=0,
     ):
-        if sqrt not in SQUARE_ROOTS:
+        if sqrt not in self.SQUARE_ROOTS:
             raise ValueError(
-                f"InputWhitening: unknown sqrt {sqrt!r}; expected one of {SQUARE_ROOTS}"
+                f"InputWhitening: unknown sqrt {sqrt!r}; expected one of {self.SQUARE_ROOTS}"
             )
         if statistic != "sketch" and not isinstance(statistic, EmaStatistic):
             raise ValueError(
@@ -133,6 +132,10 @@ class InputWhitening:
         trace = float(diagonal.sum())
         # all-zero inputs (A = 0) have no scale to damp relative to: the map is the identity
         delta = self.damping * trace / self.in_features if trace > 0 else 1.0
+        return self._factors(lam, vec, diagonal, trace, delta)
+
+    def _factors(self, lam, vec, diagonal, trace, delta):
+        """The factors of the root from A's top eigenpairs, its diagonal, trace and damping."""
         if self.sqrt == "isotropic":
             rest = self.in_features - lam.numel()
             sigma = max(trace - float(lam.sum()), 0.0) / rest if rest else 0.0
@@ -143,25 +146,17 @@ class InputWhitening:
                 "c_minus": ((s / (lam + delta)).sqrt() - 1).float(),
                 "c_plus": (((lam + delta) / s).sqrt() - 1).float(),
             }
-        d = (diagonal - (vec * vec) @ lam).clamp_min(0) + delta
-        if self.sqrt == "diagonal":
-            v = vec / d.sqrt()[:, None]
-            q, r = torch.linalg.qr(v)
-            sig, w = torch.linalg.eigh((r * lam) @ r.t())
-            sig = sig.clamp_min(0)
-            return {
-                "d_sqrt": d.sqrt().float(),
-                "p": (q @ w).float(),
-                "c_minus": ((1 + sig).rsqrt() - 1).float(),
-                "c_plus": ((1 + sig).sqrt() - 1).float(),
-            }
-        a_hat = (vec * lam) @ vec.t() + torch.diag(d)
-        if self.sqrt == "cholesky":
-            s = torch.linalg.cholesky(a_hat)
-        else:
-            e, u = torch.linalg.eigh(a_hat)
-            s = (u * e.clamp_min(0).sqrt()) @ u.t()
-        return {"s": s.float(), "s_inv": torch.linalg.inv(s).float()}
+        d = diagonal_remainder(lam, vec, diagonal, delta)
+        v = vec / d.sqrt()[:, None]
+        q, r = torch.linalg.qr(v)
+        sig, w = torch.linalg.eigh((r * lam) @ r.t())
+        sig = sig.clamp_min(0)
+        return {
+            "d_sqrt": d.sqrt().float(),
+            "p": (q @ w).float(),
+            "c_minus": ((1 + sig).rsqrt() - 1).float(),
+            "c_plus": ((1 + sig).sqrt() - 1).float(),
+        }
 
     # ---------------------------------------------------------------- the map
     def _check(self, g, what):
@@ -190,13 +185,12 @@ class InputWhitening:
             )
         if not f:  # None or IDENTITY_FACTORS: no statistic yet
             return g.clone() if out is None else out.copy_(g)
-        if self.sqrt in LOW_RANK_ROOTS:
-            result = _lowrank_map(g, f, inverse=what == "inverse", out=out)
-        else:
-            result = g.to(torch.float32) @ f["s" if what == "inverse" else "s_inv"].t()
-            if out is not None:
-                return out.copy_(result)
+        result = self._apply(g, f, what == "inverse", out)
         return result if out is not None else result.to(g.dtype)
+
+    def _apply(self, g, f, inverse, out):
+        """The map with factors f, into out if given (fp32)."""
+        return _lowrank_map(g, f, inverse=inverse, out=out)
 
     def whiten_activations(self, x):
         """S^{-1} x for each row x of a (tokens, in_features) batch: covariance ~ I after
@@ -225,6 +219,12 @@ class InputWhitening:
         self.factors = (
             None if factors is None else {k: v.to(device, copy=True) for k, v in factors.items()}
         )
+
+
+def diagonal_remainder(lam, vec, diagonal, delta):
+    """D = max(diag(A - U_r Lam_r U_r^T), 0) + delta: the diagonal of what the top eigenpairs
+    leave, damped."""
+    return (diagonal - (vec * vec) @ lam).clamp_min(0) + delta
 
 
 # On CPU the low-rank map runs on blocks of whole rows of about this many elements: each block's

@@ -1,5 +1,5 @@
 """The statistic behind input whitening: A = E[x x^T] of an nn.Linear's inputs (an EMA over
-batches), kept as a streaming Nystrom sketch (benchmarks/dense_statistic.py keeps the dense
+batches), kept as a streaming Nystrom sketch (benchmarks/dense_whitening.py keeps the dense
 matrix, for comparison).
 
 Input whitening needs the top r eigenpairs of A and diag(A) (geometry.py). The dense A costs in^2

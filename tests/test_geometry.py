@@ -9,7 +9,7 @@ import horovod_gift as gift
 from horovod_gift.kernels.hadamard import random_signs_torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
-from dense_statistic import DenseCovariance  # noqa: E402  (the exact statistic, for reference)
+from dense_whitening import DenseCovariance, whitening  # noqa: E402  (exact references)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -108,7 +108,7 @@ def test_low_rank_whitening_flattens_the_spectrum(sqrt):
     tests/test_sketch.py."""
     x = spiked_activations()
     before = torch.linalg.cond(covariance(x))
-    w = gift.InputWhitening(96, rank=8, damping=1e-3, sqrt=sqrt,
+    w = whitening(96, rank=8, damping=1e-3, sqrt=sqrt,
                             statistic=DenseCovariance(96))
     w.update(x)
     after = torch.linalg.cond(covariance(w.whiten_activations(x)))
@@ -149,7 +149,7 @@ def test_damping_is_relative_to_the_activations_scale(sqrt):
     """Activations 1000x larger give a map 1000x smaller, whatever the damping: a damping in
     absolute units would whiten small and large activations differently."""
     x = spiked_activations(n_in=48, tokens=5000)
-    small, large = (gift.InputWhitening(48, rank=8, damping=0.1, sqrt=sqrt) for _ in range(2))
+    small, large = (whitening(48, rank=8, damping=0.1, sqrt=sqrt) for _ in range(2))
     small.update(x)
     large.update(x * 1000)
     g = torch.randn(10, 48, generator=torch.Generator().manual_seed(2))
@@ -163,7 +163,7 @@ def test_square_roots_agree_on_the_whitened_spectrum():
     x = spiked_activations(n_in=48, tokens=20_000)
     spectra = []
     for sqrt in ("diagonal", "cholesky", "symmetric"):
-        w = gift.InputWhitening(48, rank=8, damping=1e-3, sqrt=sqrt)
+        w = whitening(48, rank=8, damping=1e-3, sqrt=sqrt)
         w.update(x)
         spectra.append(torch.linalg.eigvalsh(covariance(w.whiten_activations(x))))
     assert torch.allclose(spectra[0], spectra[1], rtol=1e-3) and torch.allclose(
@@ -173,7 +173,7 @@ def test_square_roots_agree_on_the_whitened_spectrum():
 
 @pytest.mark.parametrize("sqrt", ["isotropic", "diagonal", "cholesky", "symmetric"])
 def test_whitening_inverse_undoes_forward(sqrt):
-    w = gift.InputWhitening(64, rank=16, sqrt=sqrt)
+    w = whitening(64, rank=16, sqrt=sqrt)
     g = torch.randn(10, 64)
     assert torch.equal(w.inverse(w.forward(g)), g), "before any update the map is the identity"
     w.update(spiked_activations(n_in=64, tokens=5000))
@@ -212,7 +212,7 @@ def test_whitening_into_out_or_in_place_gives_the_same_bits(sqrt, monkeypatch):
     from horovod_gift import geometry
 
     monkeypatch.setattr(geometry, "ROW_BLOCK_ELEMENTS", 64 * 7)
-    w = gift.InputWhitening(64, rank=16, sqrt=sqrt)
+    w = whitening(64, rank=16, sqrt=sqrt)
     w.update(spiked_activations(n_in=64, tokens=5000))
     g = torch.randn(30, 64, generator=torch.Generator().manual_seed(5))
     for direction in (w.forward, w.inverse):
