@@ -73,6 +73,26 @@ def make_nvfp4_accumulate(from_zero):
     return nvfp4_accumulate
 
 
+@njit(inline="always")
+def add_fp8(total, codes, scale, j, from_zero, count, ebits, mbits, bias):
+    """total (+)= decode(codes) * scale over count elements in one pass: payload j of the sum in
+    order, with add_payload's rules (the same roundings: the product, then the sum)."""
+    if j == 0 and not from_zero:
+        for i in range(count):
+            total[i] = decode_float(np.int32(codes[i]), ebits, mbits, bias) * scale
+    elif j == 0:
+        for i in range(count):
+            total[i] = F0 + decode_float(np.int32(codes[i]), ebits, mbits, bias) * scale
+    else:
+        for i in range(count):
+            total[i] += decode_float(np.int32(codes[i]), ebits, mbits, bias) * scale
+
+
+# Blocks of at least this many elements decode, scale and add in one pass block by block; smaller
+# ones decode a tile, scale it, then add it (a call per block costs more than the extra passes).
+FUSED_BLOCK_MIN = 16
+
+
 def make_fp8_accumulate(from_zero, per_tensor, fmt):
     ebits, mbits, bias, _ = fmt
 
@@ -80,26 +100,32 @@ def make_fp8_accumulate(from_zero, per_tensor, fmt):
     def fp8_accumulate(codes, scales, block, out, first, last):
         """out[tiles first..last-1] = the fp32 sum in order of k FP8 payloads: codes (k, >= n),
         scales (k, blocks), or (k, 1) per tensor; a tile is whole blocks (per tensor: any
-        4096 elements); from_zero as in nvfp4_accumulate."""
+        4096 elements); from_zero as in nvfp4_accumulate. Payload by payload over a tile, so
+        the tile's partial sums stay in L1."""
         n = out.size
         tile = FP8_TILE if per_tensor else block * max(1, FP8_TILE // block)
         values = np.empty(tile, np.float32)
         for t in range(first, last):
             base = t * tile
             count = min(tile, n - base)
+            total = out[base: base + count]
             for j in range(codes.shape[0]):
                 row = codes[j, base: base + count]
-                for i in range(count):
-                    values[i] = decode_float(np.int32(row[i]), ebits, mbits, bias)
                 if per_tensor:
-                    for i in range(count):
-                        values[i] *= scales[j, 0]
+                    add_fp8(total, row, scales[j, 0], j, from_zero, count, ebits, mbits, bias)
+                elif block >= FUSED_BLOCK_MIN:
+                    for b in range(-(-count // block)):
+                        lo, hi = b * block, min(count, (b + 1) * block)
+                        add_fp8(total[lo:hi], row[lo:hi], scales[j, base // block + b], j,
+                                from_zero, hi - lo, ebits, mbits, bias)
                 else:  # whole blocks: the tail's extra values are never added to out
+                    for i in range(count):
+                        values[i] = decode_float(np.int32(row[i]), ebits, mbits, bias)
                     for b in range(-(-count // block)):
                         scale = scales[j, base // block + b]
                         for i in range(block):
                             values[b * block + i] *= scale
-                add_payload(out[base: base + count], values, j, from_zero, count)
+                    add_payload(total, values, j, from_zero, count)
 
     return fp8_accumulate
 
