@@ -1,6 +1,6 @@
 """A step's codec seconds against the memory-bound cost of touching the same gradients once.
 
-    .venv/bin/python benchmarks/codec_step.py        # about 2 minutes; 2 ranks under mpirun
+    .venv/bin/python benchmarks/codec_step.py        # about 1 minute; 2 ranks under mpirun
 
 Each configuration trains a stack of nn.Linear(width, width) layers (no bias) for --steps steps
 under hvd.DistributedOptimizer with GIFT on 2 ranks, one thread each. The codec seconds of a

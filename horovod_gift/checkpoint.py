@@ -95,7 +95,7 @@ class Checkpointing:
             state["rank_state"] = {
                 "rank": self.process_set.rank(), "ranks": self.process_set.size(),
                 "feedback": (self.feedback.state_dict() if self.feedback
-                             else ErrorFeedback.EMPTY_STATE),
+                             else ErrorFeedback.empty_state()),
                 "statistics": self.statistics.local_state_dict(),
                 "grad_scale": self._scale}          # the residuals' units
         return state

@@ -384,8 +384,9 @@ class GIFT(Checkpointing, Compressor):
     def stats(self):
         """Cumulative counters of this rank: steps, gradient elements, bytes this rank sent through
         the quantized path, bits per gradient element of what it encoded (uncompressed tensors at
-        32), seconds spent in the codec, seconds waiting for the network inside GIFT, and steps
-        that took the fp32 path because a rank had called hvd.join() or GIFT was warming up."""
+        32), seconds spent in the codec, seconds waiting inside GIFT (for the network, and at a
+        step's start for the slowest rank), and steps that took the fp32 path because a rank had
+        called hvd.join() or GIFT was warming up."""
         return self.telemetry.stats(self.step, self.plan.counts(self.bucket_of))
 
 

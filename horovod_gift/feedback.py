@@ -93,7 +93,10 @@ class ErrorFeedback:
         return {"residual1": {n: r.to("cpu", copy=True) for n, r in self.stage1.items()},
                 "residual2": {k: r.to("cpu", copy=True) for k, r in self.stage2.items()}}
 
-    EMPTY_STATE = {"residual1": {}, "residual2": {}}   # the state of no error feedback
+    @staticmethod
+    def empty_state():
+        """The state_dict of no error feedback (a new one each call: callers may modify it)."""
+        return {"residual1": {}, "residual2": {}}
 
     def load_state_dict(self, state, bucket_device):
         """Residuals back on their parameters' devices (a checkpoint loaded with

@@ -16,6 +16,7 @@ from horovod_gift.kernels import fp8, fused, native, nvfp4
 from horovod_gift.kernels.hadamard import LANES
 
 from .config import check_codec, runs_native, runs_triton
+from .rotation import HadamardRotation
 from .workspaces import workspace
 
 
@@ -72,6 +73,9 @@ def quantize(flat, format, block_size=None, stochastic=False, seed=0, residual=N
     """The codec's one entry point on flat fp32 data: optional rotation (a HadamardRotation),
     optional error-feedback residual (fp32, updated in place), then quantization. Returns (codes,
     scales, tensor_scale)."""
+    if rotation is not None and not isinstance(rotation, HadamardRotation):
+        raise TypeError(f"quantize: rotation must be a HadamardRotation or None, "
+                        f"got {type(rotation).__name__}")
     if runs_triton(flat):
         span = LANES * rotation.block_size if rotation is not None else 1
         if flat.numel() % span or span > FUSED_SPAN_MAX:

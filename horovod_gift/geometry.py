@@ -77,6 +77,11 @@ class InputWhitening:
         if statistic == "sketch":
             columns = min(self.rank + int(oversampling), self.in_features)
             self.statistic = NystromSketch(self.in_features, columns, seed)
+        elif statistic.in_features != self.in_features:
+            raise ValueError(
+                f"InputWhitening: the statistic has {statistic.in_features} features, "
+                f"expected {self.in_features}"
+            )
         else:
             self.statistic = statistic
         self.factors = None  # identity until the first fold with refresh

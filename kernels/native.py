@@ -15,9 +15,9 @@ the first), needs no compiler at `pip install` on a GPU cluster where the CPU pa
 and its LLVM code is IEEE fp32 without fastmath: no contraction of a * b + c into a fused
 multiply-add, which would round once where the references round twice.
 
-Each kernel takes a range [first, last) of its tiles: formats.py splits a large tensor across
-threads (the kernels release the GIL), and every split gives the same bits (no reduction crosses
-a tile except amax, and max is exact).
+run_tiles splits a large tensor across threads at tile boundaries (the kernels release the
+GIL; each gets its slices, or, for the decoders, a range [first, last) of tiles), and every split
+gives the same bits: no reduction crosses a tile except amax, and max is exact.
 """
 
 from concurrent.futures import ThreadPoolExecutor

@@ -14,6 +14,8 @@ E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3
 # The decoders take whole (k, ...) payload arrays and a range [first, last) of tiles: a row of
 # a C-contiguous 2D array sliced inside the kernel is a contiguous 1D view indexed from 0, which
 # LLVM vectorizes; a (k, part) slice taken outside would be a strided 2D view, which it does not.
+
+
 @njit(inline="always")
 def add_payload(total, values, j, from_zero, count):
     """total (+)= values over count elements: payload j of the sum in order, as

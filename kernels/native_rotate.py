@@ -1,5 +1,6 @@
 """The native randomized Hadamard rotation (numba): each span of block * lanes elements rotated
-in two L1-resident buffers, in the layout and addition order of hadamard.py.
+in two span-sized buffers (in L1 or L2 for the usual blocks), in the layout and addition order of
+hadamard.py.
 
 The butterflies run RADIX_STAGES stages a pass (radix 8): a pass reads 8 entries, does the
 3 stages' additions in registers, and writes them back, so a 128-block takes 3 passes over the

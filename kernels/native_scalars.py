@@ -27,7 +27,6 @@ FP8_FORMATS = {"fp8_e4m3": E4M3, "fp8_e5m2": E5M2}
 KERNEL = dict(nogil=True, cache=True, error_model="numpy", boundscheck=False)
 
 
-
 @njit(inline="always")
 def pow2(e):
     """2**e as fp32 for an integer e in [-126, 127], built from its bits."""

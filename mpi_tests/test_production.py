@@ -113,6 +113,29 @@ def test_state_dict_is_this_ranks_own_and_not_collective():
         assert compression.state_dict(rank_state=False)["rank_state"] is None
 
 
+def test_without_error_feedback_each_state_dict_is_its_own():
+    """A caller may edit a checkpoint before saving it: that must not leak into the next one."""
+    compression = gift.GIFT(TinyLM(), format="nvfp4", error_feedback=False, verbose=False)
+    first = compression.state_dict()["rank_state"]["feedback"]
+    first["residual1"]["edited"] = torch.ones(1)
+    assert compression.state_dict()["rank_state"]["feedback"] == {"residual1": {},
+                                                                 "residual2": {}}
+
+
+def test_reset_rank_state_restarts_the_residuals_and_training_goes_on():
+    model = TinyLM()
+    compression = gift.GIFT(model, format="nvfp4", verbose=False)
+    opt = wrapped(model, compression)
+    for k in range(2):
+        averaged_gradients(model, opt, k)
+    assert compression.feedback.stage1 and compression.feedback.stage2
+    compression.reset_rank_state()
+    assert not compression.feedback.stage1 and not compression.feedback.stage2
+    got = averaged_gradients(model, opt, 2)
+    assert compression.feedback.stage1, "error feedback resumes after the reset"
+    assert_identical_on_all_ranks(got, "averaged gradients after reset_rank_state")
+
+
 @pytest.mark.parametrize("change", ["ranks", "shared only"])
 def test_a_state_from_another_number_of_ranks_keeps_all_but_the_residuals(change, caplog):
     model = TinyLM()
@@ -215,7 +238,8 @@ def test_a_resumed_run_with_a_grad_scaler_continues_bit_for_bit():
         assert all(torch.equal(x, y) for x, y in zip(a, b)), "resumed run differs"
 
 
-@pytest.mark.parametrize("argument,value", [("hadamard_block", 100), ("refresh_every", 0),
+@pytest.mark.parametrize("argument,value", [("hadamard_block", 100), ("hadamard_block", 0),
+                                            ("hadamard_block", True), ("refresh_every", 0),
                                             ("stat_window", 0),
                                             ("damping", 0.0), ("start_step", -1),
                                             ("log_every", -2), ("grad_scaler", object())])

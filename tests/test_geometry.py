@@ -108,8 +108,7 @@ def test_low_rank_whitening_flattens_the_spectrum(sqrt):
     tests/test_sketch.py."""
     x = spiked_activations()
     before = torch.linalg.cond(covariance(x))
-    w = whitening(96, rank=8, damping=1e-3, sqrt=sqrt,
-                            statistic=DenseCovariance(96))
+    w = whitening(96, rank=8, damping=1e-3, sqrt=sqrt, statistic=DenseCovariance(96))
     w.update(x)
     after = torch.linalg.cond(covariance(w.whiten_activations(x)))
     assert before > 1000 and after < 2.5
@@ -241,6 +240,8 @@ def test_whitening_statistic_is_an_ema_and_checks_shapes(statistic):
         assert torch.allclose(w.statistic.diagonal.double(), blend.diagonal(), rtol=1e-5)
     with pytest.raises(ValueError, match="activations have 5 features, expected 4"):
         w.update(torch.randn(3, 5))
+    with pytest.raises(ValueError, match="the statistic has 5 features, expected 4"):
+        gift.InputWhitening(4, statistic=DenseCovariance(5))
     with pytest.raises(ValueError, match=r"expected a \(out, 4\) tensor"):
         w.forward(torch.randn(4, 3))
     restored = gift.InputWhitening(4, rank=2, ema=0.5, statistic=make())

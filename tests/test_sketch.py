@@ -13,7 +13,10 @@ import horovod_gift as gift
 from horovod_gift import sketch
 from horovod_gift.sketch import NystromSketch, sketching_matrix
 from horovod_gift.statistics import WhiteningStatistics
-from test_geometry import DenseCovariance, spiked_activations
+from test_geometry import spiked_activations
+
+# test_geometry has put benchmarks/ on the path
+from dense_whitening import DenseCovariance  # noqa: E402
 
 CPU = torch.device("cpu")
 
