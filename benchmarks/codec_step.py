@@ -101,7 +101,7 @@ def main():
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "codec_step.md"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args, _ = p.parse_known_args()
+    args = p.parse_args()
     args.passed = [a for a in sys.argv[1:] if a != "--worker"]
     if args.worker:
         return worker(args)

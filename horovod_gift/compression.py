@@ -127,9 +127,11 @@ class GIFT(Checkpointing, Compressor):
                             ("whitening_rank", whitening_rank)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GIFT: {what} must be a positive int, got {value!r}")
-        if (isinstance(hadamard_block, bool) or not isinstance(hadamard_block, int)
-                or hadamard_block < 1 or hadamard_block & (hadamard_block - 1)):
-            raise ValueError(f"GIFT: hadamard_block must be a power of two, got {hadamard_block!r}")
+        try:
+            rotation = HadamardRotation(hadamard_block, seed)
+        except ValueError:
+            raise ValueError(f"GIFT: hadamard_block must be a power of two, "
+                             f"got {hadamard_block!r}") from None
         if not damping > 0:
             raise ValueError(f"GIFT: damping must be positive, got {damping!r}")
         if not isinstance(start_step, int) or start_step < 0:
@@ -162,8 +164,7 @@ class GIFT(Checkpointing, Compressor):
                       if transform in WHITENING_TRANSFORMS else {})
         self.statistics = WhiteningStatistics(model, whitenable, whitening_rank, damping,
                                               refresh_every, stat_window, self.process_set)
-        self.plan = TransformPlan(self.params, transform, self.statistics,
-                                  HadamardRotation(hadamard_block, seed))
+        self.plan = TransformPlan(self.params, transform, self.statistics, rotation)
         self.buckets = fill_buckets(compressed, {n: self.params[n].numel() for n in compressed},
                                      bucket_elements)
         self.bucket_of = {n: k for k, names in enumerate(self.buckets) for n in names}
@@ -268,11 +269,11 @@ class GIFT(Checkpointing, Compressor):
             self.current.plain = True
             self.statistics.advance()
             return
-        if not self._verify:    # a mismatch before the first check is an error that check reports
-            self.step = largest_step
         if self._verify:
             self._check_ranks_agree()
             self._verify = False
+        else:   # a mismatch before the first check is an error that check reports
+            self.step = largest_step
         # warm-up: Horovod's fp32 path, while the statistics gather (the factors are ready when
         # compression starts, and the residuals start at zero then)
         self.current.plain = self.step < self.start_step

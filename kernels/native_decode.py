@@ -55,8 +55,9 @@ def make_nvfp4_accumulate(from_zero):
         """out[chunks first..last-1] = the fp32 sum in order of k NVFP4 payloads: packed
         (k, bytes), scale_codes (k, blocks), tensor_scales (k,). from_zero: the sum starts at +0
         (fused.accumulate_stage); otherwise at the first payload (decode). Whole blocks go
-        straight into out; a last, partial block element by element."""
+        straight into out; a last, partial block through a block of scratch."""
         n = out.size
+        tail = np.empty(NVFP4_BLOCK, np.float32)
         for c in range(first, last):
             base = c * DECODE_TILE
             count = min(DECODE_TILE, n - base)
@@ -70,17 +71,14 @@ def make_nvfp4_accumulate(from_zero):
                                          E4M3[2]) * tensor_scales[j]
                     nvfp4_block(total[b * NVFP4_BLOCK: (b + 1) * NVFP4_BLOCK],
                                 codes[b * 8: b * 8 + 8], denom, j, from_zero)
-                if whole * NVFP4_BLOCK < count:
+                rest = count - whole * NVFP4_BLOCK
+                if rest:
                     denom = decode_float(np.int32(scales[whole]), E4M3[0], E4M3[1],
                                          E4M3[2]) * tensor_scales[j]
-                    for i in range(whole * NVFP4_BLOCK, count):
-                        value = E2M1_VALUES[(codes[i >> 1] >> ((i & 1) * 4)) & 15] * denom
-                        if j == 0 and not from_zero:
-                            total[i] = value
-                        elif j == 0:
-                            total[i] = F0 + value
-                        else:
-                            total[i] += value
+                    for i in range(rest):
+                        k = whole * NVFP4_BLOCK + i
+                        tail[i] = E2M1_VALUES[(codes[k >> 1] >> ((k & 1) * 4)) & 15] * denom
+                    add_payload(total[whole * NVFP4_BLOCK:], tail, j, from_zero, rest)
 
     return nvfp4_accumulate
 
