@@ -29,22 +29,37 @@ AMAX = {feedback: make_amax(feedback) for feedback in (False, True)}
 # NVFP4 runs in chunks of CHUNK_BLOCKS blocks: the per-block work (amax, scale code, divisor)
 # then runs as loops across the chunk's blocks, which LLVM vectorizes, instead of a serial
 # chain of scalar operations every 16 elements (1.5-2x faster on the whole kernel).
-CHUNK_BLOCKS = 16
+CHUNK_BLOCKS = 32
 CHUNK = CHUNK_BLOCKS * NVFP4_BLOCK
 
 
 @njit(inline="always")
-def nvfp4_quantize_chunk(y, codes, scale_codes, denoms, tensor_scale, seed_term, offset,
-                         stochastic):
-    """Quantizes the CHUNK values y in place into their residuals y - values; E2M1 codes (sign
-    in bit 3) into codes, E4M3 scale codes into scale_codes (nvfp4_quantize_blocks_torch);
-    denoms: scratch of CHUNK_BLOCKS."""
+def block_maxima(y, pairs, quads, octets, maxima):
+    """maxima[b] = the largest magnitude_bits over 16-block b of the CHUNK values y, as a tree
+    of pairwise maxima: each level is a loop LLVM vectorizes, where a max over each block's 16
+    lanes is a horizontal reduction per block (the whole kernel 1.1-1.2x slower, measured)."""
+    for k in range(CHUNK // 2):
+        pairs[k] = max(magnitude_bits(y[2 * k]), magnitude_bits(y[2 * k + 1]))
+    for k in range(CHUNK // 4):
+        quads[k] = max(pairs[2 * k], pairs[2 * k + 1])
+    for k in range(CHUNK // 8):
+        octets[k] = max(quads[2 * k], quads[2 * k + 1])
+    for k in range(CHUNK_BLOCKS):
+        maxima[k] = max(octets[2 * k], octets[2 * k + 1])
+
+
+@njit(inline="always")
+def nvfp4_quantize_chunk(y, codes, new_residual, scale_codes, scratch, tensor_scale, seed_term,
+                         offset, feedback, stochastic):
+    """Quantizes the CHUNK values y: E2M1 codes (sign in bit 3) into codes, E4M3 scale codes
+    into scale_codes (nvfp4_quantize_blocks_torch), and with feedback y - values into
+    new_residual (written straight there: a copy back from y costs 1.1x). scratch: the
+    (pairs, quads, octets, maxima, denoms) buffers."""
+    pairs, quads, octets, maxima, denoms = scratch
+    block_maxima(y, pairs, quads, octets, maxima)
     t_usable = tensor_scale > F0 and tensor_scale < INF
     for b in range(CHUNK_BLOCKS):
-        top = np.int32(0)
-        for i in range(NVFP4_BLOCK):
-            top = max(top, magnitude_bits(y[b * NVFP4_BLOCK + i]))
-        amax = np.int32(top).view(np.float32)
+        amax = np.int32(maxima[b]).view(np.float32)
         ratio = min(amax / (tensor_scale * SIX), E4M3[3]) if t_usable else F0
         scale_codes[b], scale = encode_float(ratio, ratio, E4M3[0], E4M3[1], E4M3[2], E4M3[3],
                                              False)
@@ -69,7 +84,8 @@ def nvfp4_quantize_chunk(y, codes, scale_codes, denoms, tensor_scale, seed_term,
                 value = units * (HALF if low else (F1 if mid else TWO))
                 value = -value if negative else value
             codes[j] = code
-            y[j] = y[j] - value * denom
+            if feedback:
+                new_residual[j] = y[j] - value * denom
 
 
 def make_nvfp4_quantize(feedback, stochastic):
@@ -80,23 +96,34 @@ def make_nvfp4_quantize(feedback, stochastic):
         chunk runs zero-padded, as blocks_torch pads the last block."""
         n = x.size
         y = np.empty(CHUNK, np.float32)
+        tail_residual = np.empty(CHUNK, np.float32)
         codes = np.empty(CHUNK, np.int32)
         chunk_scales = np.empty(CHUNK_BLOCKS, np.int32)
-        denoms = np.empty(CHUNK_BLOCKS, np.float32)
+        scratch = (np.empty(CHUNK // 2, np.int32), np.empty(CHUNK // 4, np.int32),
+                   np.empty(CHUNK // 8, np.int32), np.empty(CHUNK_BLOCKS, np.int32),
+                   np.empty(CHUNK_BLOCKS, np.float32))
         for c in range(-(-n // CHUNK)):
             base = c * CHUNK
             count = min(CHUNK, n - base)
-            if count < CHUNK:
+            # views indexed from 0: LLVM vectorizes them, not an index plus an offset
+            xs, rs = x[base: base + count], residual[base: base + count]
+            if count == CHUNK:
+                for i in range(CHUNK):
+                    y[i] = xs[i] + rs[i] if feedback else xs[i]
+                nvfp4_quantize_chunk(y, codes, rs, chunk_scales, scratch, tensor_scale,
+                                     seed_term, offset + base, feedback, stochastic)
+            else:
                 y[:] = F0
-            for i in range(count):
-                y[i] = x[base + i] + residual[base + i] if feedback else x[base + i]
-            nvfp4_quantize_chunk(y, codes, chunk_scales, denoms, tensor_scale, seed_term,
-                                 offset + base, stochastic)
-            if feedback:
                 for i in range(count):
-                    residual[base + i] = y[i]
+                    y[i] = xs[i] + rs[i] if feedback else xs[i]
+                nvfp4_quantize_chunk(y, codes, tail_residual, chunk_scales, scratch,
+                                     tensor_scale, seed_term, offset + base, feedback, stochastic)
+                if feedback:
+                    for i in range(count):
+                        rs[i] = tail_residual[i]
+            out = packed[base // 2: base // 2 + (count + 1) // 2]
             for i in range((count + 1) // 2):
-                packed[base // 2 + i] = codes[2 * i] | (codes[2 * i + 1] << 4)
+                out[i] = codes[2 * i] | (codes[2 * i + 1] << 4)
             for b in range(-(-count // NVFP4_BLOCK)):
                 scale_codes[base // NVFP4_BLOCK + b] = chunk_scales[b]
 
