@@ -2,12 +2,18 @@
 in two span-sized buffers (in L1 or L2 for the usual blocks), in the layout and addition order of
 hadamard.py.
 
-The butterflies run RADIX_STAGES stages a pass (radix 8): a pass reads 8 entries, does the
+The butterflies run up to RADIX_STAGES stages a pass (radix 8): a pass reads 8 entries, does the
 3 stages' additions in registers, and writes them back, so a 128-block takes 3 passes over the
 span instead of 7. The same additions in the same order as hadamard_rows_torch (strides 1, 2,
 4, ...), so the same bits. The pass bodies are generated as source: 8 named values per entry.
 Indices are unsigned: numba then emits no negative-index wraparound, and LLVM vectorizes the
 inner loop across the span's lanes (with signed indices, or 16 entries a pass, it stays scalar).
+
+The odd 1 or 2 stages of a block go in the last pass (a 128-block: radix 8, 8, 2). The inverse's
+first pass reads x itself, and its last applies D on the way out when it is a radix-2 or radix-4
+pass (inverse 1.3-1.7x faster with the data in L2, ~1x from memory, measured). D stays in a loop
+of its own elsewhere: a radix-8 pass with the signs reads and writes 24 arrays, too many for
+LLVM's runtime alias checks, and runs scalar; so does a forward radix-2 first pass with them.
 """
 import numpy as np
 from numba import njit
@@ -18,18 +24,18 @@ from .native_scalars import KERNEL
 RADIX_STAGES = 3
 
 
-def butterfly_pass_source(stages, normalize):
+def butterfly_pass_source(name, stages, last, signs_out):
     """Source of a pass doing butterfly stages s0 .. s0 + stages - 1 from src into dst: w is the
-    distance of stage s0's two entries, in elements (lanes << s0); normalize multiplies the
-    results by norm (the last pass)."""
+    distance of stage s0's two entries, in elements (lanes << s0). last multiplies the results
+    by norm, and signs_out then by their signs (the inverse's D)."""
     n = 1 << stages
-    name = f"radix{n}{'_normalized' if normalize else ''}"
-    lines = [f"def {name}(src, dst, w, span, norm):",
+    lines = [f"def {name}(src, signs, dst, w, span, norm):",
              "    u = np.uint64(w)",
              f"    for g in range(0, span, {n} * w):",
              "        for t in range(w):",
              "            i = np.uint64(g + t)"]
-    lines += [f"            v0_{k} = src[i + np.uint64({k}) * u]" for k in range(n)]
+    for k in range(n):
+        lines.append(f"            v0_{k} = src[i + np.uint64({k}) * u]")
     for stage in range(stages):
         h = 1 << stage
         for k in range(n):
@@ -37,45 +43,46 @@ def butterfly_pass_source(stages, normalize):
                 lines.append(f"            v{stage + 1}_{k} = v{stage}_{k} + v{stage}_{k + h}")
                 lines.append(f"            v{stage + 1}_{k + h} = v{stage}_{k} - v{stage}_{k + h}")
     for k in range(n):
-        value = f"v{stages}_{k} * norm" if normalize else f"v{stages}_{k}"
+        value = f"v{stages}_{k}" + (" * norm" if last else "")
+        if signs_out:
+            value += f" * np.float32(signs[i + np.uint64({k}) * u])"
         lines.append(f"            dst[i + np.uint64({k}) * u] = {value}")
-    return name, "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
 
 
-def _compile_pass(stages, normalize):
-    name, source = butterfly_pass_source(stages, normalize)
+def _compile_pass(name, stages, last, signs_out):
     scope = {"np": np}
+    source = butterfly_pass_source(name, stages, last, signs_out)
     exec(compile(source, f"<native_rotate {name}>", "exec"), scope)
     return njit(inline="always")(scope[name])
 
 
-PASS_1, PASS_2, PASS_3 = (_compile_pass(m, False) for m in (1, 2, 3))
-LAST_1, LAST_2, LAST_3 = (_compile_pass(m, True) for m in (1, 2, 3))
+RADIX8 = _compile_pass("radix8", 3, False, False)
+RADIX8_LAST = _compile_pass("radix8_last", 3, True, False)
+LAST_1, LAST_2 = (_compile_pass(f"last_{m}", m, True, False) for m in (1, 2))
+SIGNED_LAST_1, SIGNED_LAST_2 = (_compile_pass(f"signed_last_{m}", m, True, True) for m in (1, 2))
 
 
 @njit(inline="always")
-def butterflies(src, dst, stages, w, span, norm, last):
-    """One pass of 1 to RADIX_STAGES stages; the last pass normalizes."""
-    if last:
-        if stages == 1:
-            LAST_1(src, dst, w, span, norm)
-        elif stages == 2:
-            LAST_2(src, dst, w, span, norm)
-        else:
-            LAST_3(src, dst, w, span, norm)
+def last_pass(src, signs, dst, stages, w, span, norm, signed):
+    """The last pass, of 1 to RADIX_STAGES stages: normalizes; signed: applies D (radix 2, 4)."""
+    if stages == RADIX_STAGES:
+        RADIX8_LAST(src, signs, dst, w, span, norm)
+    elif signed and stages == 1:
+        SIGNED_LAST_1(src, signs, dst, w, span, norm)
+    elif signed:
+        SIGNED_LAST_2(src, signs, dst, w, span, norm)
     elif stages == 1:
-        PASS_1(src, dst, w, span, norm)
-    elif stages == 2:
-        PASS_2(src, dst, w, span, norm)
+        LAST_1(src, signs, dst, w, span, norm)
     else:
-        PASS_3(src, dst, w, span, norm)
+        LAST_2(src, signs, dst, w, span, norm)
 
 
 def make_rotate(lanes, inverse):
     """A kernel rotating x (a whole number of spans) into out: spans of block * lanes elements,
     entry i of block c at i * lanes + c. forward: y = H (D x) * norm; inverse: x = (H y * norm)
     * D, each product rounded as hadamard_rows_torch rounds it. out may be x: a span is read
-    into a buffer before it is written."""
+    whole before it is written."""
 
     @njit(**KERNEL)
     def rotate_spans(x, signs, out, block, norm):
@@ -83,28 +90,36 @@ def make_rotate(lanes, inverse):
         stages = 0
         while (1 << stages) < block:
             stages += 1
+        odd = stages % RADIX_STAGES
         first = np.empty(span, np.float32)
         second = np.empty(span, np.float32)
         for s in range(x.size // span):
             xs = x[s * span: (s + 1) * span]
             ds = signs[s * span: (s + 1) * span]
             ys = out[s * span: (s + 1) * span]
-            for j in range(span):
-                first[j] = xs[j] if inverse else xs[j] * np.float32(ds[j])
             if stages == 0:
                 for j in range(span):
-                    ys[j] = first[j] * norm
-            src, dst = first, second
+                    if inverse:
+                        ys[j] = xs[j] * norm * np.float32(ds[j])
+                    else:
+                        ys[j] = xs[j] * np.float32(ds[j]) * norm
+                continue
+            # the first pass: from x into a buffer
             done = 0
-            while done < stages:
-                m = min(RADIX_STAGES, stages - done)
-                if done + m == stages:
-                    butterflies(src, ys, m, lanes << done, span, norm, True)
-                else:
-                    butterflies(src, dst, m, lanes << done, span, norm, False)
-                    src, dst = dst, src
-                done += m
-            if inverse:
+            if inverse and stages > RADIX_STAGES:
+                RADIX8(xs, ds, first, lanes, span, norm)
+                done = RADIX_STAGES
+            else:  # D (forward), or a copy: one pass from x to out, which may be x
+                for j in range(span):
+                    first[j] = xs[j] if inverse else xs[j] * np.float32(ds[j])
+            src, dst = first, second
+            last_stages = odd if odd else RADIX_STAGES
+            while stages - done > last_stages:
+                RADIX8(src, ds, dst, lanes << done, span, norm)
+                src, dst = dst, src
+                done += RADIX_STAGES
+            last_pass(src, ds, ys, stages - done, lanes << done, span, norm, inverse)
+            if inverse and stages - done == RADIX_STAGES:
                 for j in range(span):
                     ys[j] = ys[j] * np.float32(ds[j])
 

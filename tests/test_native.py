@@ -97,7 +97,7 @@ def test_nonfinite_input_follows_the_reference(fmt, block):
     assert torch.isnan(got_decoded).any()
 
 
-@pytest.mark.parametrize("block", [1, 16, 128, 4096])
+@pytest.mark.parametrize("block", [1, 8, 16, 64, 128, 2048, 4096])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rotation_equals_reference_into_any_output(block, inverse):
     """Whole spans, contiguous blocks and a power-of-two tail (n = 70_037); into a new tensor,
