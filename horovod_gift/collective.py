@@ -25,6 +25,9 @@ from .config import check_codec
 from .formats import accumulate, dequantize, payload_layout, quantize
 from .workspaces import workspace
 
+E2M1_LARGEST, E4M3_LARGEST = 6.0, 448.0
+FP8_LARGEST = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+
 
 @dataclass(frozen=True)
 class Codec:
@@ -76,6 +79,16 @@ class Codec:
         if self.format == "nvfp4":
             return codes, payload[c : c + s], payload[c + s : c + s + t].clone().view(torch.float32)
         return codes, payload[c : c + s].clone().view(torch.float32), None
+
+    def amax_bound(self, payload, m):
+        """A bound on the largest magnitude the payload's m-element piece held, from its scales
+        (a one-element fp32 tensor on the payload's device, no host sync): not finite when the
+        piece was not. NVFP4: the tensor scale times 6 * 448; FP8: the largest scale times the
+        format's largest value."""
+        _, scales, tensor_scale = self.split(payload, m)
+        if self.format == "nvfp4":
+            return tensor_scale * (E2M1_LARGEST * E4M3_LARGEST)
+        return scales.max().reshape(1) * FP8_LARGEST[self.format]
 
     def decode(self, payload, m, out=None):
         """The m fp32 values of a payload, into out (m contiguous fp32 elements) if given."""
@@ -165,6 +178,7 @@ class BucketReduction:
         self.pieces = bucket_pieces([f.numel() for f in flats], self.n, codec.align)
         self.bytes_sent = 0
         self.wait_seconds = 0.0  # blocked in hvd.synchronize
+        self.amax_bounds = []  # Codec.amax_bound of each piece encoded with a residual
 
     def _no_bytes(self):
         return torch.empty(0, dtype=torch.uint8, device=self.flats[0].device)
@@ -175,11 +189,17 @@ class BucketReduction:
         self.wait_seconds += time.perf_counter() - t0
         return out
 
+    def _encode(self, flat, residual, seed):
+        payload = self.codec.encode(flat, residual, seed)
+        if residual is not None and flat.numel():
+            self.amax_bounds.append(self.codec.amax_bound(payload, flat.numel()))
+        return payload
+
     def start(self):
         payloads = []
         for k, chunk in enumerate(self.pieces):
             parts = [
-                self.codec.encode(
+                self._encode(
                     self.flats[i][lo:hi],
                     None if self.residual1 is None else self.residual1[i][lo:hi],
                     mix_seed(self.codec.seed, self.step, self.rank, k, i, 1),
@@ -220,9 +240,7 @@ class BucketReduction:
                 total.div_(self.n)
             residual = None if self.residual2 is None else self.residual2[offset : offset + m]
             parts.append(
-                self.codec.encode(
-                    total, residual, mix_seed(self.codec.seed, self.step, self.rank, i, 2)
-                )
+                self._encode(total, residual, mix_seed(self.codec.seed, self.step, self.rank, i, 2))
             )
             offset += m
         mine = torch.cat(parts) if parts else self._no_bytes()

@@ -346,7 +346,8 @@ class GIFT(Checkpointing, Compressor):
             self.telemetry.add(bytes_sent=reduction.bytes_sent,
                                wait_seconds=reduction.wait_seconds)
             if self.feedback:
-                self.feedback.scrub((reduction.residual1 or []) + [reduction.residual2])
+                self.feedback.scrub((reduction.residual1 or []) + [reduction.residual2],
+                                    reduction.amax_bounds)
         shape, dtype = self.current.shapes[name]
         u = self.current.results[bucket].pop(name)
         return self.plan.inverse(name, u, in_place=True).view(shape).to(dtype)

@@ -16,6 +16,10 @@ import torch
 
 from .collective import bucket_pieces
 
+# Below this bound on a quantized piece's magnitudes, its residual is finite in fp32 and bf16
+# (both overflow near 2**128; a residual is at most ~2.1x the bound).
+FINITE_AMAX = 2.0 ** 125
+
 
 class ErrorFeedback:
     """params: name -> parameter; buckets: the parameter names of each bucket; align: the codec's
@@ -45,12 +49,18 @@ class ErrorFeedback:
             self.stage2[bucket] = self._zeros(owned, device)
         return self.stage2[bucket]
 
-    def scrub(self, residuals):
-        """A non-finite gradient must not poison later steps through its residual. A sum is
-        non-finite if any element is (or on overflow, where scrubbing changes nothing), and 30x
-        cheaper than isfinite; one verdict for all of them (one host sync on a GPU)."""
+    def scrub(self, residuals, amax_bounds):
+        """A non-finite gradient must not poison later steps through its residual. amax_bounds:
+        Codec.amax_bound of every encode that updated these residuals. A residual is at most
+        ~2.1x the magnitudes its encode quantized (the input less a dequantized value no larger
+        than 1.07x it), so when every bound is under FINITE_AMAX every residual is finite and
+        none is read. Otherwise each is summed: a sum is non-finite if any element is (or on
+        overflow, where scrubbing changes nothing), and 30x cheaper than isfinite. One verdict
+        for all of them (one host sync on a GPU)."""
         residuals = [r for r in residuals if r is not None and r.numel()]
         if not residuals:
+            return
+        if amax_bounds and bool((torch.cat(amax_bounds) < FINITE_AMAX).all()):
             return
         sums = torch.stack([r.sum(dtype=torch.float32) for r in residuals])
         if bool(torch.isfinite(sums).all()):

@@ -42,6 +42,33 @@ def test_nonfinite_gradient_on_one_rank(poison):
     )
 
 
+@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", None), ("fp8_e5m2", 32)])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_the_step_after_a_nonfinite_one_is_finite(fmt, block, poison):
+    """The poisoned step's residuals are cleared: the next step's gradients are all finite."""
+    model = TinyLM()
+    compression = gift.GIFT(model, format=fmt, block_size=block, verbose=False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   named_parameters=model.named_parameters(),
+                                   compression=compression)
+    hook = None
+    if hvd.rank() == hvd.size() - 1:
+        hook = model.up.weight.register_hook(
+            lambda g: g.index_put((torch.tensor([3]), torch.tensor([5])), torch.tensor(poison)))
+    for step in range(2):
+        opt.zero_grad()
+        x, y = batch(step, hvd.rank())
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        opt.synchronize()
+        if step == 0:
+            assert not torch.isfinite(model.up.weight.grad).all()
+            if hook is not None:
+                hook.remove()
+    grads = [p.grad for p in model.parameters()]
+    assert all(torch.isfinite(g).all() for g in grads), "a residual carried the poison on"
+    assert_identical_on_all_ranks(grads, "gradients the step after a non-finite one")
+
+
 def test_nonfinite_gradient_raises_on_every_rank_when_asked():
     with pytest.raises(FloatingPointError, match="averaged gradient of up.weight is not finite"):
         one_step(dict(format="fp8_e4m3", nonfinite="raise"), float("nan"))

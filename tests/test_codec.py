@@ -175,3 +175,37 @@ def test_backends_agree_through_the_public_api():
         assert torch.equal(a.codes, b.codes) and torch.equal(
             a.scales.view(torch.uint8), b.scales.view(torch.uint8)
         )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt,block", CODECS)
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf")])
+def test_amax_bound_covers_the_piece_and_flags_nonfinite(backend, fmt, block, bad):
+    """Codec.amax_bound, read from a payload's scales, is at least the largest magnitude the
+    piece held (the error feedback trusts it to skip reading the residuals), and not finite
+    when the piece was not."""
+    from horovod_gift.collective import Codec
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(4)) * 3e4
+    if bad is not None:
+        x[517] = bad
+    codec = Codec(fmt, block)
+    with gift.use_kernels(backend):
+        bound = codec.amax_bound(codec.encode(x, torch.zeros(1000)), 1000)
+    assert bound.shape == (1,) and bound.dtype == torch.float32
+    if bad is None:
+        assert float(bound) >= float(x.abs().max()) * (1 - 2 ** -20)
+    else:
+        assert not torch.isfinite(bound).all()
+
+
+def test_scrub_reads_no_residual_under_a_finite_bound_and_clears_the_others():
+    from horovod_gift.feedback import FINITE_AMAX, ErrorFeedback
+
+    params = {"w": torch.nn.Parameter(torch.zeros(8))}
+    feedback = ErrorFeedback(params, [["w"]], align=32)
+    residual = torch.tensor([1.0, float("nan"), 2.0])
+    feedback.scrub([residual], [torch.tensor([FINITE_AMAX / 2])])
+    assert torch.isnan(residual[1]), "a bound under FINITE_AMAX means the sum is skipped"
+    feedback.scrub([residual], [torch.tensor([float("inf")])])
+    assert torch.equal(residual, torch.tensor([1.0, 0.0, 2.0]))
