@@ -58,6 +58,7 @@ def make_nvfp4_accumulate(from_zero):
         straight into out; a last, partial block through a block of scratch."""
         n = out.size
         tail = np.empty(NVFP4_BLOCK, np.float32)
+        denoms = np.empty(DECODE_TILE // NVFP4_BLOCK + 1, np.float32)
         for c in range(first, last):
             base = c * DECODE_TILE
             count = min(DECODE_TILE, n - base)
@@ -66,15 +67,16 @@ def make_nvfp4_accumulate(from_zero):
             for j in range(packed.shape[0]):
                 codes = packed[j, base // 2: base // 2 + (count + 1) // 2]
                 scales = scale_codes[j, base // NVFP4_BLOCK: base // NVFP4_BLOCK + whole + 1]
+                # the tile's denominators first, in a loop across its blocks (which vectorizes)
+                for b in range(scales.size):
+                    denoms[b] = decode_float(np.int32(scales[b]), E4M3[0], E4M3[1],
+                                             E4M3[2]) * tensor_scales[j]
                 for b in range(whole):
-                    denom = decode_float(np.int32(scales[b]), E4M3[0], E4M3[1],
-                                         E4M3[2]) * tensor_scales[j]
                     nvfp4_block(total[b * NVFP4_BLOCK: (b + 1) * NVFP4_BLOCK],
-                                codes[b * 8: b * 8 + 8], denom, j, from_zero)
+                                codes[b * 8: b * 8 + 8], denoms[b], j, from_zero)
                 rest = count - whole * NVFP4_BLOCK
                 if rest:
-                    denom = decode_float(np.int32(scales[whole]), E4M3[0], E4M3[1],
-                                         E4M3[2]) * tensor_scales[j]
+                    denom = denoms[whole]
                     for i in range(rest):
                         k = whole * NVFP4_BLOCK + i
                         tail[i] = E2M1_VALUES[(codes[k >> 1] >> ((k & 1) * 4)) & 15] * denom
