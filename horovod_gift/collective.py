@@ -21,12 +21,12 @@ from typing import Optional
 import torch
 import horovod.torch as hvd
 
+from horovod_gift.kernels.fp8 import FORMATS as FP8_FORMATS
+from horovod_gift.kernels.nvfp4 import TENSOR_SCALE_DIVISOR
+
 from .config import check_codec
 from .formats import accumulate, dequantize, payload_layout, quantize
 from .workspaces import workspace
-
-E2M1_LARGEST, E4M3_LARGEST = 6.0, 448.0
-FP8_LARGEST = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 
 
 @dataclass(frozen=True)
@@ -81,14 +81,15 @@ class Codec:
         return codes, payload[c : c + s].clone().view(torch.float32), None
 
     def amax_bound(self, payload, m):
-        """A bound on the largest magnitude the payload's m-element piece held, from its scales
-        (a one-element fp32 tensor on the payload's device, no host sync): not finite when the
-        piece was not. NVFP4: the tensor scale times 6 * 448; FP8: the largest scale times the
-        format's largest value."""
+        """The largest magnitude the payload's m-element piece held, to within rounding, read
+        from its scales (a one-element fp32 tensor on the payload's device, no host sync); not
+        finite when the piece was not. It also bounds every value the payload decodes to.
+        NVFP4: the tensor scale times 6 * 448; FP8: the largest scale times the format's
+        largest value."""
         _, scales, tensor_scale = self.split(payload, m)
         if self.format == "nvfp4":
-            return tensor_scale * (E2M1_LARGEST * E4M3_LARGEST)
-        return scales.max().reshape(1) * FP8_LARGEST[self.format]
+            return tensor_scale * TENSOR_SCALE_DIVISOR
+        return scales.max().reshape(1) * FP8_FORMATS[self.format].max
 
     def decode(self, payload, m, out=None):
         """The m fp32 values of a payload, into out (m contiguous fp32 elements) if given."""

@@ -17,7 +17,7 @@ import torch
 from .collective import bucket_pieces
 
 # Below this bound on a quantized piece's magnitudes, its residual is finite in fp32 and bf16
-# (both overflow near 2**128; a residual is at most ~2.1x the bound).
+# (both overflow near 2**128; a residual is at most about twice the bound).
 FINITE_AMAX = 2.0 ** 125
 
 
@@ -51,10 +51,10 @@ class ErrorFeedback:
 
     def scrub(self, residuals, amax_bounds):
         """A non-finite gradient must not poison later steps through its residual. amax_bounds:
-        Codec.amax_bound of every encode that updated these residuals. A residual is at most
-        ~2.1x the magnitudes its encode quantized (the input less a dequantized value no larger
-        than 1.07x it), so when every bound is under FINITE_AMAX every residual is finite and
-        none is read. Otherwise each is summed: a sum is non-finite if any element is (or on
+        Codec.amax_bound of every encode that updated these residuals. A residual is its
+        encode's input less a dequantized value, both at most about the bound (the largest code
+        times the largest scale), so when every bound is under FINITE_AMAX every residual is
+        finite and none is read. Otherwise each is summed: a sum is non-finite if any element is (or on
         overflow, where scrubbing changes nothing), and 30x cheaper than isfinite. One verdict
         for all of them (one host sync on a GPU)."""
         residuals = [r for r in residuals if r is not None and r.numel()]

@@ -96,7 +96,7 @@ def make_nvfp4_quantize(feedback, stochastic):
         chunk runs zero-padded, as blocks_torch pads the last block."""
         n = x.size
         y = np.empty(CHUNK, np.float32)
-        tail_residual = np.empty(CHUNK, np.float32)
+        tail_residual = np.empty(CHUNK if feedback else 0, np.float32)
         codes = np.empty(CHUNK, np.int32)
         chunk_scales = np.empty(CHUNK_BLOCKS, np.int32)
         scratch = (np.empty(CHUNK // 2, np.int32), np.empty(CHUNK // 4, np.int32),

@@ -9,9 +9,9 @@ span instead of 7. The same additions in the same order as hadamard_rows_torch (
 Indices are unsigned: numba then emits no negative-index wraparound, and LLVM vectorizes the
 inner loop across the span's lanes (with signed indices, or 16 entries a pass, it stays scalar).
 
-The odd 1 or 2 stages of a block go in the last pass (a 128-block: radix 8, 8, 2). The inverse's
-first pass reads x itself, and its last applies D on the way out when it is a radix-2 or radix-4
-pass (inverse 1.3-1.7x faster with the data in L2, ~1x from memory, measured). D stays in a loop
+The odd 1 or 2 stages of a block go in the last pass (a 128-block: radix 8, 8, 2). For blocks over
+8, the inverse's first pass reads x itself; its last applies D on the way out when it is a
+radix-2 or radix-4 pass (inverse 1.3-1.7x faster with the data in L2, ~1x from memory, measured). D stays in a loop
 of its own elsewhere: a radix-8 pass with the signs reads and writes 24 arrays, too many for
 LLVM's runtime alias checks, and runs scalar; so does a forward radix-2 first pass with them.
 """
@@ -109,7 +109,8 @@ def make_rotate(lanes, inverse):
             if inverse and stages > RADIX_STAGES:
                 RADIX8(xs, ds, first, lanes, span, norm)
                 done = RADIX_STAGES
-            else:  # D (forward), or a copy: one pass from x to out, which may be x
+            else:  # D (forward), or a copy: one pass from x to out, which may alias x (LLVM's
+                # alias checks then fail and the pass runs scalar)
                 for j in range(span):
                     first[j] = xs[j] if inverse else xs[j] * np.float32(ds[j])
             src, dst = first, second

@@ -11,7 +11,7 @@ from horovod_gift.rotation import HadamardRotation
 # FP8 blocks under 16 and from 16 up take different decoding loops (native_decode.py)
 CODECS = [("nvfp4", None), ("fp8_e4m3", None), ("fp8_e4m3", 32), ("fp8_e5m2", None),
           ("fp8_e5m2", 1), ("fp8_e4m3", 8), ("fp8_e5m2", 16), ("fp8_e5m2", 4096)]
-SIZES = [1, 15, 17, 1000, 70_037]
+SIZES = [1, 15, 17, 1000, 1024, 4128, 70_037]
 
 
 def bits(t):
@@ -52,12 +52,15 @@ def test_quantize_equals_reference(fmt, block, n, stochastic, feedback):
     x = sample(n)
     residual0 = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-2
 
+    x_before = x.clone()
+
     def run():
         residual = residual0.clone() if feedback else None
         payload = formats.quantize(x, fmt, block, stochastic, seed=11, residual=residual)
         return payload, residual
 
     (ref, ref_residual), (got, got_residual) = both(run)
+    assert torch.equal(bits(x), bits(x_before)), "the input was written"
     assert_same(ref, got, f"{fmt}/{block} n={n}")
     if feedback:
         assert torch.equal(bits(ref_residual), bits(got_residual)), "residuals differ"
@@ -97,12 +100,12 @@ def test_nonfinite_input_follows_the_reference(fmt, block):
     assert torch.isnan(got_decoded).any()
 
 
-@pytest.mark.parametrize("block", [1, 8, 16, 64, 128, 2048, 4096])
+@pytest.mark.parametrize("block", [1, 2, 8, 16, 32, 64, 128, 2048, 4096])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rotation_equals_reference_into_any_output(block, inverse):
-    """Whole spans, contiguous blocks and a power-of-two tail (n = 70_037); into a new tensor,
-    a given one and in place."""
-    n = 70_037
+    """Whole spans, contiguous blocks and a tail of every power of two below the block
+    (n = 70_079); into a new tensor, a given one and in place."""
+    n = 70_079
     x = sample(n, 3)
     with gift.use_kernels("torch"):
         expected = HadamardRotation(block, 9).apply(x, inverse)
