@@ -54,9 +54,9 @@ class ErrorFeedback:
         Codec.amax_bound of every encode that updated these residuals. A residual is its
         encode's input less a dequantized value, both at most about the bound (the largest code
         times the largest scale), so when every bound is under FINITE_AMAX every residual is
-        finite and none is read. Otherwise each is summed: a sum is non-finite if any element is (or on
-        overflow, where scrubbing changes nothing), and 30x cheaper than isfinite. One verdict
-        for all of them (one host sync on a GPU)."""
+        finite and none is read. Otherwise each is summed: a sum is non-finite if any element
+        is (or on overflow, where scrubbing changes nothing), and 30x cheaper than isfinite.
+        One verdict for all of them (one host sync on a GPU)."""
         residuals = [r for r in residuals if r is not None and r.numel()]
         if not residuals:
             return

@@ -11,9 +11,10 @@ inner loop across the span's lanes (with signed indices, or 16 entries a pass, i
 
 The odd 1 or 2 stages of a block go in the last pass (a 128-block: radix 8, 8, 2). For blocks over
 8, the inverse's first pass reads x itself; its last applies D on the way out when it is a
-radix-2 or radix-4 pass (inverse 1.3-1.7x faster with the data in L2, ~1x from memory, measured). D stays in a loop
-of its own elsewhere: a radix-8 pass with the signs reads and writes 24 arrays, too many for
-LLVM's runtime alias checks, and runs scalar; so does a forward radix-2 first pass with them.
+radix-2 or radix-4 pass (inverse 1.3-1.7x faster with the data in L2, ~1x from memory,
+measured). D stays in a loop of its own elsewhere: a radix-8 pass with the signs reads and
+writes 24 arrays, too many for LLVM's runtime alias checks, and runs scalar; so does a forward
+radix-2 first pass with them.
 """
 import numpy as np
 from numba import njit
