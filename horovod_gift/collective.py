@@ -25,7 +25,7 @@ from horovod_gift.kernels.fp8 import FORMATS as FP8_FORMATS
 from horovod_gift.kernels.nvfp4 import TENSOR_SCALE_DIVISOR
 
 from .config import check_codec
-from .formats import accumulate, dequantize, payload_layout, quantize
+from .formats import dequantize, payload_layout, quantize, quantize_folded, sum_quantize
 from .workspaces import workspace
 
 
@@ -51,19 +51,43 @@ class Codec:
     def payload_bytes(self, m):
         return sum(self.layout(m)) if m else 0
 
-    def encode(self, flat, residual=None, seed=0):
+    def encode(self, flat, residual=None, seed=0, folded_bits=None):
         """flat fp32 -> uint8 payload; residual (same size, fp32 or bf16) is updated in place.
         The kernels update fp32 residuals: a bf16 one goes through an fp32 workspace and back
-        (round to nearest even, the same on every device)."""
+        (round to nearest even, the same on every device). folded_bits: flat already holds
+        x + residual, summed natively, with this largest magnitude_bits (quantize_folded)."""
         if flat.numel() == 0:
             return torch.empty(0, dtype=torch.uint8, device=flat.device)
+        fmt, block, stochastic = self.format, self.block_size, self.rounding == "stochastic"
+        if folded_bits is None:
+            def quantizer(wide):
+                return quantize(flat, fmt, block, stochastic, seed, wide)
+        else:
+            def quantizer(wide):
+                return quantize_folded(flat, folded_bits, wide, fmt, block, stochastic, seed)
+        return self._with_fp32_residual(residual, flat.numel(), flat.device, quantizer)
+
+    def reduce_encode(self, payloads, m, divisor, residual=None, seed=0, out=None):
+        """The payload of the fp32 sum of the payloads of an m-element piece (in their order)
+        divided by divisor, encoded with residual as encode does; out: m fp32 elements of
+        workspace for the sum."""
+        pieces = [self.split(p, m) for p in payloads]
+        tensor_scales = None if pieces[0][2] is None else torch.cat([p[2] for p in pieces])
+        codes, scales = (torch.stack([p[k] for p in pieces]) for k in (0, 1))
+        stochastic = self.rounding == "stochastic"
+        return self._with_fp32_residual(
+            residual, m, codes.device,
+            lambda wide: sum_quantize(codes, scales, tensor_scales, m, self.format,
+                                      self.block_size, divisor, stochastic, seed, wide, out),
+        )
+
+    @staticmethod
+    def _with_fp32_residual(residual, m, device, quantizer):
+        """The payload of quantizer(an fp32 residual or None): a narrow residual is widened into
+        a workspace and rounded back after."""
         narrow = residual is not None and residual.dtype != torch.float32
-        wide = (
-            workspace(flat.numel(), flat.device, "residual").copy_(residual) if narrow else residual
-        )
-        codes, scales, tensor_scale = quantize(
-            flat, self.format, self.block_size, self.rounding == "stochastic", seed, wide
-        )
+        wide = workspace(m, device, "residual").copy_(residual) if narrow else residual
+        codes, scales, tensor_scale = quantizer(wide)
         if narrow:
             residual.copy_(wide)
         parts = [codes, scales.reshape(-1).view(torch.uint8)]
@@ -167,6 +191,7 @@ class BucketReduction:
         residual2=None,
         average=True,
         step=0,
+        maxima=None,
     ):
         self.name, self.flats, self.codec, self.process_set = name, flats, codec, process_set
         self.residual1, self.residual2, self.average, self.step = (
@@ -175,6 +200,9 @@ class BucketReduction:
             average,
             step,
         )
+        # per flat, None or its pieces' largest magnitude_bits: the flat then holds u + r1
+        # (TransformPlan.forward_folded), and r1 is only written
+        self.maxima = maxima or [None] * len(flats)
         self.n, self.rank = process_set.size(), process_set.rank()
         self.pieces = bucket_pieces([f.numel() for f in flats], self.n, codec.align)
         self.bytes_sent = 0
@@ -190,23 +218,26 @@ class BucketReduction:
         self.wait_seconds += time.perf_counter() - t0
         return out
 
-    def _encode(self, flat, residual, seed):
-        payload = self.codec.encode(flat, residual, seed)
-        if residual is not None and flat.numel():
-            self.amax_bounds.append(self.codec.amax_bound(payload, flat.numel()))
+    def _bound(self, payload, m, residual):
+        if residual is not None and m:
+            self.amax_bounds.append(self.codec.amax_bound(payload, m))
         return payload
 
     def start(self):
-        payloads = []
+        payloads, encoded = [], [0] * len(self.flats)   # pieces of each flat so far
         for k, chunk in enumerate(self.pieces):
-            parts = [
-                self._encode(
+            parts = []
+            for i, lo, hi in chunk:
+                residual = None if self.residual1 is None else self.residual1[i][lo:hi]
+                maxima = self.maxima[i]
+                payload = self.codec.encode(
                     self.flats[i][lo:hi],
-                    None if self.residual1 is None else self.residual1[i][lo:hi],
+                    residual,
                     mix_seed(self.codec.seed, self.step, self.rank, k, i, 1),
+                    folded_bits=None if maxima is None else int(maxima[encoded[i]]),
                 )
-                for i, lo, hi in chunk
-            ]
+                encoded[i] += 1
+                parts.append(self._bound(payload, hi - lo, residual))
             payloads.append(torch.cat(parts) if parts else self._no_bytes())
         # Horovod reads the splits on the host, whatever the payload's device
         splits = torch.tensor([p.numel() for p in payloads], dtype=torch.int32, device="cpu")
@@ -226,23 +257,18 @@ class BucketReduction:
         for i, lo, hi in self.pieces[self.rank]:
             m = hi - lo
             size = self.codec.payload_bytes(m)
-            pieces = [self.codec.split(src[position : position + size], m) for src in sources]
+            payloads = [src[position : position + size] for src in sources]
             position += size
-            total = accumulate(
-                torch.stack([p[0] for p in pieces]),
-                torch.stack([p[1] for p in pieces]),
-                None if pieces[0][2] is None else torch.cat([p[2] for p in pieces]),
+            residual = None if self.residual2 is None else self.residual2[offset : offset + m]
+            payload = self.codec.reduce_encode(
+                payloads,
                 m,
-                self.codec.format,
-                self.codec.block_size,
+                self.n if self.average else 1,
+                residual,
+                mix_seed(self.codec.seed, self.step, self.rank, i, 2),
                 out=workspace(m, received.device, "sum"),
             )
-            if self.average:
-                total.div_(self.n)
-            residual = None if self.residual2 is None else self.residual2[offset : offset + m]
-            parts.append(
-                self._encode(total, residual, mix_seed(self.codec.seed, self.step, self.rank, i, 2))
-            )
+            parts.append(self._bound(payload, m, residual))
             offset += m
         mine = torch.cat(parts) if parts else self._no_bytes()
         self.bytes_sent += mine.numel() * (self.n - 1)

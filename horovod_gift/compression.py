@@ -49,6 +49,7 @@ class StepState:
     joined: bool = False                  # a rank is in hvd.join(): every tensor goes fp32
     plain: bool = False                   # every tensor takes Horovod's fp32 path (join, warm-up)
     u: dict = field(default_factory=dict)            # name -> transformed flat gradient
+    maxima: dict = field(default_factory=dict)       # name -> its pieces' amax bits, if folded
     shapes: dict = field(default_factory=dict)       # name -> (shape, dtype) of the gradient
     reductions: dict = field(default_factory=dict)   # bucket -> BucketReduction in flight
     results: dict = field(default_factory=dict)      # bucket -> {name: reduced flat u}
@@ -228,7 +229,10 @@ class GIFT(Checkpointing, Compressor):
             plain = tensor if tensor.dtype in HOROVOD_DTYPES else tensor.to(torch.float32)
             return plain, ("plain", name, tensor.dtype)
         self.plan.record(name, tensor, self.codec)
-        self.current.u[name] = self.plan.forward(name, tensor, in_place=True)
+        fold = self.feedback.rotation_fold(name, self.process_set.size()) if self.feedback else None
+        self.current.u[name], self.current.maxima[name] = (
+            fold and self.plan.forward_folded(name, tensor, *fold)
+            or (self.plan.forward(name, tensor, in_place=True), None))
         self.current.shapes[name] = (tensor.shape, tensor.dtype)
         bucket = self.bucket_of[name]
         if all(n in self.current.u for n in self.buckets[bucket]):
@@ -313,7 +317,8 @@ class GIFT(Checkpointing, Compressor):
             owned = owned_elements([f.numel() for f in flats], self.process_set, self.codec.align)
             residual2 = self.feedback.second_stage(bucket, owned, flats[0].device)
         reduction = BucketReduction(f"gift.b{bucket}", flats, self.codec, self.process_set,
-                                    residual1, residual2, average=self.average, step=self.step)
+                                    residual1, residual2, average=self.average, step=self.step,
+                                    maxima=[self.current.maxima.get(n) for n in names])
         self.current.reductions[bucket] = reduction.start()
         self.telemetry.add(payload_bytes=sum(self.codec.payload_bytes(f.numel()) for f in flats))
 

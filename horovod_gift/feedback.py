@@ -27,6 +27,7 @@ class ErrorFeedback:
 
     def __init__(self, params, buckets, align, dtype=torch.float32):
         self.params, self.buckets, self.align, self.dtype = params, buckets, align, dtype
+        self._ends = {}     # (name, ranks) -> the ends of the name's pieces in its bucket
         self.reset()
 
     def reset(self):
@@ -42,6 +43,19 @@ class ErrorFeedback:
             if n not in self.stage1:
                 self.stage1[n] = self._zeros(self.params[n].numel(), self.params[n].device)
         return [self.stage1[n] for n in names]
+
+    def rotation_fold(self, name, n):
+        """(r1 of name, the ends of its pieces in its bucket's n chunks) for a rotation that
+        adds r1 in its own pass (TransformPlan.forward_folded); None for bf16 residuals, which
+        the quantizer widens itself."""
+        if self.dtype != torch.float32:
+            return None
+        if (name, n) not in self._ends:
+            names = next(b for b in self.buckets if name in b)
+            index = names.index(name)
+            pieces = bucket_pieces([self.params[m].numel() for m in names], n, self.align)
+            self._ends[name, n] = [hi for chunk in pieces for i, _, hi in chunk if i == index]
+        return self.first_stage([name])[0], self._ends[name, n]
 
     def second_stage(self, bucket, owned, device):
         """The r2 of this rank's chunk of a bucket (owned elements)."""

@@ -86,7 +86,12 @@ def quantize(flat, format, block_size=None, stochastic=False, seed=0, residual=N
         )
     if rotation is not None:
         # quantization only reads the rotated copy: a per-thread buffer spares the page faults
-        flat = rotation.apply(flat, out=workspace(flat.numel(), flat.device, "rotated"))
+        rotated = workspace(flat.numel(), flat.device, "rotated")
+        if runs_native(flat) and residual is not None and flat.numel():
+            bits = rotation.apply_folded(flat, residual, [flat.numel()], rotated)
+            return quantize_folded(rotated, int(bits[0]), residual, format, block_size,
+                                   stochastic, seed)
+        flat = rotation.apply(flat, out=rotated)
     if runs_native(flat):
         result = native.quantize_native(flat, residual, format, block_size, seed, stochastic)
         if result is not None:
@@ -107,8 +112,9 @@ def dequantize(codes, scales, tensor_scale, n, format, block_size=None, out=None
         return fp8.fp8_decode_triton(codes, scales, fp8.FORMATS[format], block_size, out)
     if runs_native(codes):
         out = torch.empty(n, dtype=torch.float32, device=codes.device) if out is None else out
-        return native.accumulate_native(codes[None], scales.reshape(1, -1), _row(tensor_scale),
-                                        n, format, block_size, out, from_zero=False)
+        native.accumulate_native(codes[None], scales.reshape(1, -1), _row(tensor_scale), n,
+                                 format, block_size, out, from_zero=False)
+        return out
     return fused.decode_torch(codes, scales, tensor_scale, n, format, block_size, out=out)
 
 
@@ -170,6 +176,42 @@ def accumulate(codes, scales, tensor_scales, n, format, block_size=None, out=Non
         return fused.accumulate_triton(codes, scales, tensor_scales, n, format, block_size, out)
     if runs_native(codes):
         out = torch.empty(n, dtype=torch.float32, device=codes.device) if out is None else out
-        return native.accumulate_native(codes, scales, tensor_scales, n, format, block_size, out,
-                                        from_zero=True)
+        native.accumulate_native(codes, scales, tensor_scales, n, format, block_size, out,
+                                 from_zero=True)
+        return out
     return fused.accumulate_torch(codes, scales, tensor_scales, n, format, block_size, out=out)
+
+
+def sum_quantize(codes, scales, tensor_scales, n, format, block_size, divisor, stochastic, seed,
+                 residual, out):
+    """quantize(accumulate(payloads) / divisor, ..., residual): the owner's stage of the
+    reduction, with out (n fp32 elements) as the sum's workspace; divisor 1 for a sum. On CPU
+    the division, the residual's addition and the amax run in the sum's pass (two passes over
+    memory fewer, and the quantizer reads one array instead of two)."""
+    _check_out(out, n, codes.device, "sum_quantize")
+    if runs_native(codes) and n:
+        bits = native.accumulate_native(codes, scales, tensor_scales, n, format, block_size, out,
+                                        True, "divide" if residual is None else "fold",
+                                        residual, divisor)
+        return quantize_folded(out, bits, residual, format, block_size, stochastic, seed)
+    total = accumulate(codes, scales, tensor_scales, n, format, block_size, out)
+    if divisor != 1:
+        total.div_(divisor)
+    return quantize(total, format, block_size, stochastic, seed, residual)
+
+
+def quantize_folded(y, bits, residual, format, block_size=None, stochastic=False, seed=0):
+    """quantize(x, ..., residual) where y = x + residual (y = x without a residual) was summed by
+    the native pass that made y, which also found bits, y's largest magnitude_bits; the residual
+    is only written. Non-finite y (bits >= INF_BITS) goes to the reference with a residual of
+    -0.0 (x + -0.0 is x, bit for bit), whose update becomes the residual: the same bits as
+    quantize."""
+    if bits < native.INF_BITS:
+        return native.quantize_native(y, residual, format, block_size, seed, stochastic,
+                                      folded_amax=native.magnitude_float(bits))
+    negative_zero = None if residual is None else torch.full_like(y, -0.0)
+    result = fused.rotate_feedback_quantize_torch(y, negative_zero, format, block_size, None,
+                                                  seed, stochastic)
+    if residual is not None:
+        residual.copy_(negative_zero)
+    return result

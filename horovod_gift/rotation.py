@@ -60,6 +60,17 @@ class HadamardRotation:
         result = hadamard_torch(flat, self.block_size, self.seed, inverse, signs)
         return result if out is None else out.copy_(result)
 
+    def apply_folded(self, flat, residual, ends, out):
+        """Native CPU only: out <- apply(flat) + residual (fp32, flat's size) in the rotation's
+        pass, and the largest magnitude_bits of out over each piece [ends[k - 1], ends[k]) (an
+        np.int32 array; ends ascending, the last flat.numel()), for formats.quantize_folded."""
+        if not runs_native(flat):
+            raise ValueError(f"HadamardRotation.apply_folded: the native CPU kernels only, "
+                             f"got a tensor on {flat.device}")
+        signs = random_signs(self.seed, flat.numel(), flat.device)
+        return native.rotate_fold_native(flat, segments(flat.numel(), self.block_size), signs,
+                                         residual, ends, out)
+
     def _map(self, x, inverse):
         flat = x.detach().reshape(-1).to(torch.float32).contiguous()
         return self.apply(flat, inverse).view(x.shape).to(x.dtype)

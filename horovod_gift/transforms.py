@@ -14,6 +14,8 @@ import functools
 import torch
 import horovod.torch as hvd
 
+from .config import runs_native
+
 
 TRANSFORMS = ("auto", "none", "hadamard", "whiten", "whiten+hadamard")
 
@@ -44,7 +46,23 @@ class TransformPlan:
         overwritten (a gradient of over 32 MB rotated into a new tensor costs a page fault per
         4 KB on CPU)."""
         plan = plan or self.choice[name]
+        flat, out = self._before_rotation(name, g, plan, in_place)
+        return self.rotation.apply(flat, out=out) if plan.endswith("hadamard") else flat
 
+    def forward_folded(self, name, g, residual, ends):
+        """(forward(name, g, in_place=True) + residual, each piece's largest magnitude_bits) with
+        the residual added in the rotation's pass (HadamardRotation.apply_folded), where a
+        native CPU rotation ends name's transform; None otherwise, nothing computed."""
+        plan = self.choice[name]
+        if not plan.endswith("hadamard") or not runs_native(g):
+            return None
+        flat, out = self._before_rotation(name, g, plan, in_place=True)
+        out = torch.empty_like(flat) if out is None else out
+        return out, self.rotation.apply_folded(flat, residual, ends, out)
+
+    def _before_rotation(self, name, g, plan, in_place):
+        """The flat fp32 gradient before its rotation (whitened under "whiten"), and where the
+        rotation may write it: itself when it may be overwritten, else None (a new tensor)."""
         def writable(t):  # g given up, or a copy of it (a dtype change, a non-contiguous gradient)
             return in_place or t.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()
 
@@ -54,9 +72,7 @@ class TransformPlan:
             rows = x.reshape(-1, w.in_features)
             x = w.forward(rows, out=rows if writable(rows) and rows.is_contiguous() else None)
         flat = x.reshape(-1).contiguous()
-        if plan.endswith("hadamard"):
-            return self.rotation.apply(flat, out=flat if writable(flat) else None)
-        return flat
+        return flat, flat if writable(flat) else None
 
     def inverse(self, name, u, plan=None, factors=None, in_place=False):
         """Flat fp32 gradient from flat fp32 u; in_place: u is not needed afterwards and may be

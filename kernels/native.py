@@ -29,7 +29,7 @@ from .hadamard import normalizer
 from .native_decode import DECODE_TILE, FP8_ACCUMULATE, FP8_TILE, NVFP4_ACCUMULATE
 from .native_quantize import AMAX, AMAX_TILE, CHUNK, CHUNK_BLOCKS, FP8_QUANTIZE, NVFP4_QUANTIZE
 from .native_rotate import ROTATE
-from .native_scalars import E2M1, E4M3, F0, FP8_FORMATS, NVFP4_BLOCK
+from .native_scalars import E2M1, E4M3, F0, FP8_FORMATS, INF_BITS, NVFP4_BLOCK
 
 # Below this many elements a tensor runs on the calling thread: a thread hand-off costs ~20 us.
 THREAD_MIN_ELEMENTS = 1 << 18
@@ -55,37 +55,54 @@ def run_tiles(kernel, tiles, tile_elements, arguments):
 def rotate_native(flat, pieces, signs, inverse, out):
     """The rotation of flat fp32 data into out (may be flat): pieces are hadamard.segments'
     (start, length, block, lanes); signs int8, one per element of flat."""
+    _rotate(flat, pieces, signs, inverse, out, None, ENDS)
+    return out
+
+
+def rotate_fold_native(flat, pieces, signs, residual, ends, out):
+    """out <- the forward rotation of flat + residual, as rotate_native; returns the largest
+    magnitude_bits of out over each piece [ends[k - 1], ends[k]) of flat (np.int32; ends
+    ascending, the last flat's size): INF_BITS and above for a piece that is not finite."""
+    return _rotate(flat, pieces, signs, False, out, residual, np.asarray(ends, np.int64))
+
+
+ENDS = np.zeros(0, np.int64)  # the ends of no piece: a rotation without a residual
+
+
+def _rotate(flat, pieces, signs, inverse, out, residual, ends):
     x, y, d = flat.numpy(), out.numpy(), signs.numpy()
+    fold = residual is not None
+    r = residual.numpy() if fold else x
+    maxima = np.zeros(ends.size, np.int32)
     for start, length, block, lanes in pieces:
         span, norm = block * lanes, np.float32(normalizer(block))
 
         def arguments(first, last, start=start, span=span, block=block, norm=norm):
-            part = slice(start + first * span, start + last * span)
-            return x[part], d[part], y[part], block, norm
+            begin = start + first * span
+            part = slice(begin, start + last * span)
+            return x[part], d[part], y[part], block, norm, r[part], ends - begin
 
-        run_tiles(ROTATE[lanes, inverse], length // span, span, arguments)
-    return out
+        for part in run_tiles(ROTATE[lanes, inverse, fold], length // span, span, arguments):
+            np.maximum(maxima, part, out=maxima)
+    return maxima
 
 
-def quantize_native(flat, residual, fmt_name, block_size, seed, stochastic):
+def quantize_native(flat, residual, fmt_name, block_size, seed, stochastic, folded_amax=None):
     """(codes, scales, tensor_scale) of flat fp32 (+ residual, updated in place), as
     fused.rotate_feedback_quantize_torch without rotation; None, touching nothing, when
-    flat (+ residual) holds a non-finite value (the caller then runs the reference)."""
+    flat (+ residual) holds a non-finite value (the caller then runs the reference).
+    folded_amax: flat already is y = x + residual (or x, without one), made by a pass that also
+    found its largest magnitude, this finite np.float32; the residual is then only written."""
     n, device = flat.numel(), flat.device
     x = flat.numpy()
-    feedback = residual is not None
+    feedback = None if residual is None else ("add" if folded_amax is None else "folded")
     r = residual.numpy() if feedback else x
-
-    def amax_arguments(first, last):
-        part = slice(first * AMAX_TILE, last * AMAX_TILE)
-        return x[part], r[part]
-
-    amax, bad = F0, False
-    for part_amax, part_bad in run_tiles(AMAX[feedback], -(-n // AMAX_TILE), AMAX_TILE,
-                                         amax_arguments):
-        amax, bad = max(amax, part_amax), bad or part_bad
-    if bad:
-        return None
+    if folded_amax is None:
+        amax, bad = feedback_amax(x, r, feedback == "add")
+        if bad:
+            return None
+    else:
+        amax = folded_amax
     term = np.uint64((int(seed) * 0x9E3779B9) & 0xFFFFFFFF)
     if fmt_name == "nvfp4":
         tensor_scale = np.float32(amax) / np.float32(E2M1[3] * E4M3[3])
@@ -120,16 +137,39 @@ def quantize_native(flat, residual, fmt_name, block_size, seed, stochastic):
     return codes, scales, None
 
 
-def accumulate_native(codes, scales, tensor_scales, n, fmt_name, block_size, out, from_zero):
+def feedback_amax(x, r, add):
+    """The largest |x (+ r)| of numpy fp32 arrays, and whether any of them is not finite."""
+    def arguments(first, last):
+        part = slice(first * AMAX_TILE, last * AMAX_TILE)
+        return x[part], r[part]
+
+    top = 0
+    for part in run_tiles(AMAX[add], -(-x.size // AMAX_TILE), AMAX_TILE, arguments):
+        top = max(top, int(part))
+    return magnitude_float(top), top >= INF_BITS
+
+
+def magnitude_float(bits):
+    """The np.float32 whose magnitude_bits these are."""
+    return np.array([bits], np.int32).view(np.float32)[0]
+
+
+def accumulate_native(codes, scales, tensor_scales, n, fmt_name, block_size, out, from_zero,
+                      epilogue=None, residual=None, divisor=1):
     """The fp32 sum in order of k payloads (codes (k, bytes), scales (k, ...), tensor_scales (k,)
-    or None) into out (n contiguous fp32 elements); from_zero as in nvfp4_accumulate."""
+    or None) into out (n contiguous fp32 elements); from_zero and the epilogue (divisor, and
+    residual for "fold") as in nvfp4_accumulate. Returns the largest magnitude_bits of out after
+    the epilogue, INF_BITS and above where out is not finite (0 without an epilogue)."""
     c, sc, y = codes.contiguous().numpy(), scales.contiguous().numpy(), out.numpy()
+    r = y if residual is None else residual.numpy()
     if fmt_name == "nvfp4":
-        kernel, tile, extra = NVFP4_ACCUMULATE[from_zero], DECODE_TILE, (tensor_scales.numpy(),)
+        kernel, tile = NVFP4_ACCUMULATE[from_zero, epilogue], DECODE_TILE
+        extra = (tensor_scales.numpy(),)
     else:
         per_tensor = block_size is None
-        kernel = FP8_ACCUMULATE[from_zero, per_tensor, fmt_name]
+        kernel = FP8_ACCUMULATE[from_zero, epilogue, per_tensor, fmt_name]
         tile = FP8_TILE if per_tensor else block_size * max(1, FP8_TILE // block_size)
         extra = (block_size or 1,)
-    run_tiles(kernel, -(-n // tile), tile, lambda first, last: (c, sc, *extra, y, first, last))
-    return out
+    d = np.float32(divisor)
+    return max(int(t) for t in run_tiles(kernel, -(-n // tile), tile,
+                                         lambda first, last: (c, sc, *extra, y, r, d, first, last)))

@@ -3,7 +3,8 @@ decoding), tile by tile, bit for bit as fused.accumulate_torch and fused.decode_
 import numpy as np
 from numba import njit
 
-from .native_scalars import E4M3, F0, FP8_FORMATS, KERNEL, NVFP4_BLOCK, decode_float
+from .native_scalars import (E4M3, F0, FP8_FORMATS, KERNEL, NVFP4_BLOCK, decode_float,
+                             magnitude_bits)
 
 
 # The value of each E2M1 code (sign in bit 3). A byte's two codes are looked up in this
@@ -49,14 +50,39 @@ def nvfp4_block(total, codes, denom, j, from_zero):
             total[2 * i + 1] += E2M1_VALUES[codes[i] >> 4] * denom
 
 
-def make_nvfp4_accumulate(from_zero):
+@njit(inline="always")
+def owner_epilogue(total, residual, divisor, count, fold):
+    """total <- total / divisor (+ residual with fold), as the owner's division and the
+    quantizer's y = x + r round them; returns the largest magnitude_bits of the results."""
+    top = np.int32(0)
+    for i in range(count):
+        v = total[i] / divisor
+        if fold:
+            v = v + residual[i]
+        total[i] = v
+        top = max(top, magnitude_bits(v))
+    return top
+
+
+# What a decoder does to each tile once its payloads are summed: nothing, the owner's division
+# (an average), or the division and the stage-2 residual added (the quantizer's input, y = x + r).
+EPILOGUES = (None, "divide", "fold")
+
+
+def make_nvfp4_accumulate(from_zero, epilogue):
+    finish, fold = epilogue is not None, epilogue == "fold"
+
     @njit(**KERNEL)
-    def nvfp4_accumulate(packed, scale_codes, tensor_scales, out, first, last):
+    def nvfp4_accumulate(packed, scale_codes, tensor_scales, out, residual, divisor, first,
+                         last):
         """out[chunks first..last-1] = the fp32 sum in order of k NVFP4 payloads: packed
         (k, bytes), scale_codes (k, blocks), tensor_scales (k,). from_zero: the sum starts at +0
         (fused.accumulate_stage); otherwise at the first payload (decode). Whole blocks go
-        straight into out; a last, partial block through a block of scratch."""
+        straight into out; a last, partial block through a block of scratch. Then the tile's
+        epilogue (EPILOGUES; residual: out's size, read with "fold"); returns the largest
+        magnitude_bits of out's tiles after it (0 without one)."""
         n = out.size
+        top = np.int32(0)
         tail = np.empty(NVFP4_BLOCK, np.float32)
         denoms = np.empty(DECODE_TILE // NVFP4_BLOCK + 1, np.float32)
         for c in range(first, last):
@@ -81,6 +107,10 @@ def make_nvfp4_accumulate(from_zero):
                         k = whole * NVFP4_BLOCK + i
                         tail[i] = E2M1_VALUES[(codes[k >> 1] >> ((k & 1) * 4)) & 15] * denom
                     add_payload(total[whole * NVFP4_BLOCK:], tail, j, from_zero, rest)
+            if finish:
+                top = max(top, owner_epilogue(total, residual[base: base + count], divisor,
+                                              count, fold))
+        return top
 
     return nvfp4_accumulate
 
@@ -105,16 +135,18 @@ def add_fp8(total, codes, scale, j, from_zero, count, ebits, mbits, bias):
 FUSED_BLOCK_MIN = 16
 
 
-def make_fp8_accumulate(from_zero, per_tensor, fmt):
+def make_fp8_accumulate(from_zero, per_tensor, fmt, epilogue):
     ebits, mbits, bias, _ = fmt
+    finish, fold = epilogue is not None, epilogue == "fold"
 
     @njit(**KERNEL)
-    def fp8_accumulate(codes, scales, block, out, first, last):
+    def fp8_accumulate(codes, scales, block, out, residual, divisor, first, last):
         """out[tiles first..last-1] = the fp32 sum in order of k FP8 payloads: codes (k, >= n),
         scales (k, blocks), or (k, 1) per tensor; a tile is whole blocks (per tensor: any
-        4096 elements); from_zero as in nvfp4_accumulate. Payload by payload over a tile, so
-        the tile's partial sums stay in L1."""
+        4096 elements); from_zero, the epilogue and the result as in nvfp4_accumulate. Payload
+        by payload over a tile, so the tile's partial sums stay in L1."""
         n = out.size
+        top = np.int32(0)
         tile = FP8_TILE if per_tensor else block * max(1, FP8_TILE // block)
         values = np.empty(tile, np.float32)
         for t in range(first, last):
@@ -138,6 +170,10 @@ def make_fp8_accumulate(from_zero, per_tensor, fmt):
                         for i in range(block):
                             values[b * block + i] *= scale
                     add_payload(total, values, j, from_zero, count)
+            if finish:
+                top = max(top, owner_epilogue(total, residual[base: base + count], divisor,
+                                              count, fold))
+        return top
 
     return fp8_accumulate
 
@@ -146,6 +182,8 @@ def make_fp8_accumulate(from_zero, per_tensor, fmt):
 DECODE_TILE = 4096
 # Elements of an FP8 tile: the decoded values of one payload stay in L1 while they are added.
 FP8_TILE = 4096
-NVFP4_ACCUMULATE = {z: make_nvfp4_accumulate(z) for z in (False, True)}
-FP8_ACCUMULATE = {(z, t, name): make_fp8_accumulate(z, t, fmt) for z in (False, True)
+# (from_zero, epilogue): a decode starts from its payload and has no epilogue
+VARIANTS = [(False, None)] + [(True, e) for e in EPILOGUES]
+NVFP4_ACCUMULATE = {(z, e): make_nvfp4_accumulate(z, e) for z, e in VARIANTS}
+FP8_ACCUMULATE = {(z, e, t, name): make_fp8_accumulate(z, t, fmt, e) for z, e in VARIANTS
                   for t in (False, True) for name, fmt in FP8_FORMATS.items()}

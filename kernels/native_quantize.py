@@ -1,23 +1,28 @@
 """The native quantizers (numba): amax, then FP8 or NVFP4 codes, scales and the new error-feedback
 residual in one pass over cache-sized tiles, bit for bit as fused.rotate_feedback_quantize_torch.
 The loops are branchless where they touch every element (selects, not ifs), so LLVM vectorizes
-them; a non-finite tensor never reaches them (formats.py sends it to the torch reference)."""
+them; a non-finite tensor never reaches them (formats.py sends it to the torch reference).
+
+FEEDBACK, what a quantizer does with the error-feedback residual r: None, none; "add": it
+quantizes y = x + r and leaves r <- y - values; "folded": x already is y (the pass that made x
+added r, rounded as here) and r is only written."""
 import numpy as np
 from numba import njit
 
-from .native_scalars import (E2M1, E4M3, F0, F1, FOUR, FP8_FORMATS, HALF, INF, INF_BITS, KERNEL,
+from .native_scalars import (E2M1, E4M3, F0, F1, FOUR, FP8_FORMATS, HALF, INF, KERNEL,
                              NVFP4_BLOCK, RNE_MAGIC, SIX, TWO, encode_float, magnitude_bits,
                              uniform_hash)
 
 
-def make_amax(feedback):
+def make_amax(add):
     @njit(**KERNEL)
     def feedback_amax(x, residual):
-        """max |x + r|, and whether any element is not finite."""
+        """The largest magnitude_bits of x (+ r with add): >= INF_BITS where one is not
+        finite."""
         top = np.int32(0)
         for j in range(x.size):
-            top = max(top, magnitude_bits(x[j] + residual[j] if feedback else x[j]))
-        return np.int32(top).view(np.float32), top >= INF_BITS
+            top = max(top, magnitude_bits(x[j] + residual[j] if add else x[j]))
+        return top
 
     return feedback_amax
 
@@ -88,12 +93,17 @@ def nvfp4_quantize_chunk(y, codes, new_residual, scale_codes, scratch, tensor_sc
                 new_residual[j] = y[j] - value * denom
 
 
-def make_nvfp4_quantize(feedback, stochastic):
+FEEDBACK = (None, "add", "folded")
+
+
+def make_nvfp4_quantize(feedback_mode, stochastic):
+    add, feedback = feedback_mode == "add", feedback_mode is not None
+
     @njit(**KERNEL)
     def nvfp4_quantize(x, residual, packed, scale_codes, tensor_scale, seed_term, offset):
-        """Finite x (+ r), element 0 at index offset of the tensor (a multiple of 16): E2M1
-        codes packed two a byte (even element low), E4M3 scale codes, r <- y - values. The last
-        chunk runs zero-padded, as blocks_torch pads the last block."""
+        """Finite x (+ r, FEEDBACK), element 0 at index offset of the tensor (a multiple of
+        16): E2M1 codes packed two a byte (even element low), E4M3 scale codes, r <- y - values.
+        The last chunk runs zero-padded, as blocks_torch pads the last block."""
         n = x.size
         y = np.empty(CHUNK, np.float32)
         tail_residual = np.empty(CHUNK if feedback else 0, np.float32)
@@ -109,13 +119,13 @@ def make_nvfp4_quantize(feedback, stochastic):
             xs, rs = x[base: base + count], residual[base: base + count]
             if count == CHUNK:
                 for i in range(CHUNK):
-                    y[i] = xs[i] + rs[i] if feedback else xs[i]
+                    y[i] = xs[i] + rs[i] if add else xs[i]
                 nvfp4_quantize_chunk(y, codes, rs, chunk_scales, scratch, tensor_scale,
                                      seed_term, offset + base, feedback, stochastic)
             else:
                 y[:] = F0
                 for i in range(count):
-                    y[i] = xs[i] + rs[i] if feedback else xs[i]
+                    y[i] = xs[i] + rs[i] if add else xs[i]
                 nvfp4_quantize_chunk(y, codes, tail_residual, chunk_scales, scratch,
                                      tensor_scale, seed_term, offset + base, feedback, stochastic)
                 if feedback:
@@ -130,15 +140,17 @@ def make_nvfp4_quantize(feedback, stochastic):
     return nvfp4_quantize
 
 
-def make_fp8_quantize(feedback, stochastic, per_tensor, fmt):
+def make_fp8_quantize(feedback_mode, stochastic, per_tensor, fmt):
     ebits, mbits, bias, largest = fmt
+    add, feedback = feedback_mode == "add", feedback_mode is not None
 
     @njit(**KERNEL)
     def fp8_quantize(x, residual, codes, scales, tensor_scale, block, seed_term, offset):
-        """Blocks of finite x (+ r), element 0 at index offset of the tensor: fp8 codes, the
-        fp32 scale of each block (per tensor: block is only a tile, all share tensor_scale),
-        r <- y - values (fp8_encode_torch, fused.quantize_stage). y = x + r is recomputed where
-        it is needed rather than kept in a buffer: one load and store fewer per element (1.6x)."""
+        """Blocks of finite x (+ r, FEEDBACK), element 0 at index offset of the tensor: fp8
+        codes, the fp32 scale of each block (per tensor: block is only a tile, all share
+        tensor_scale), r <- y - values (fp8_encode_torch, fused.quantize_stage). y = x + r is
+        recomputed where it is needed rather than kept in a buffer: one load and store fewer per
+        element (1.6x)."""
         n = x.size
         for blk in range(-(-n // block)):
             base = blk * block
@@ -151,13 +163,13 @@ def make_fp8_quantize(feedback, stochastic, per_tensor, fmt):
             else:
                 top = np.int32(0)
                 for i in range(count):
-                    top = max(top, magnitude_bits(xs[i] + rs[i] if feedback else xs[i]))
+                    top = max(top, magnitude_bits(xs[i] + rs[i] if add else xs[i]))
                 scale = np.int32(top).view(np.float32) / largest
                 scales[blk] = scale
             usable = scale > F0 and scale < INF
             divisor = scale if usable else F1
             for i in range(count):
-                y = xs[i] + rs[i] if feedback else xs[i]
+                y = xs[i] + rs[i] if add else xs[i]
                 v = y / divisor if usable else F0
                 noise = uniform_hash(seed_term, offset + base + i) if stochastic else F0
                 code, value = encode_float(v, noise, ebits, mbits, bias, largest, stochastic)
@@ -168,7 +180,7 @@ def make_fp8_quantize(feedback, stochastic, per_tensor, fmt):
     return fp8_quantize
 
 
-NVFP4_QUANTIZE = {(f, s): make_nvfp4_quantize(f, s) for f in (False, True) for s in (False, True)}
-FP8_QUANTIZE = {(f, s, t, name): make_fp8_quantize(f, s, t, fmt) for f in (False, True)
+NVFP4_QUANTIZE = {(f, s): make_nvfp4_quantize(f, s) for f in FEEDBACK for s in (False, True)}
+FP8_QUANTIZE = {(f, s, t, name): make_fp8_quantize(f, s, t, fmt) for f in FEEDBACK
                 for s in (False, True) for t in (False, True)
                 for name, fmt in FP8_FORMATS.items()}

@@ -20,7 +20,7 @@ import numpy as np
 from numba import njit
 
 from .hadamard import LANES
-from .native_scalars import KERNEL
+from .native_scalars import KERNEL, magnitude_bits
 
 RADIX_STAGES = 3
 
@@ -79,14 +79,40 @@ def last_pass(src, signs, dst, stages, w, span, norm, signed):
         LAST_2(src, signs, dst, w, span, norm)
 
 
-def make_rotate(lanes, inverse):
+@njit(inline="always")
+def fold_span(ys, residual, ends, maxima, piece, start):
+    """ys <- ys + residual (the quantizer's y = x + r) over spans starting at element start,
+    and each piece's largest magnitude_bits into maxima (pieces end at ends, ascending);
+    returns the piece they end in."""
+    done = 0
+    while done < ys.size:
+        while ends[piece] <= start + done:
+            piece += 1
+        stop = min(ys.size, ends[piece] - start)
+        y, r = ys[done: stop], residual[done: stop]
+        top = np.int32(0)
+        for j in range(stop - done):
+            v = y[j] + r[j]
+            y[j] = v
+            top = max(top, magnitude_bits(v))
+        maxima[piece] = max(maxima[piece], top)
+        done = stop
+    return piece
+
+
+FOLD_ELEMENTS = 4096
+
+
+def make_rotate(lanes, inverse, fold):
     """A kernel rotating x (a whole number of spans) into out: spans of block * lanes elements,
     entry i of block c at i * lanes + c. forward: y = H (D x) * norm; inverse: x = (H y * norm)
     * D, each product rounded as hadamard_rows_torch rounds it. out may be x: a span is read
-    whole before it is written."""
+    whole before it is written. fold (forward): each span gets the residual added while it is
+    in cache (fold_span; ends in x's coordinates, the last >= x.size), and the kernel returns
+    the pieces' maxima (otherwise an empty array)."""
 
     @njit(**KERNEL)
-    def rotate_spans(x, signs, out, block, norm):
+    def rotate_spans(x, signs, out, block, norm, residual, ends):
         span = block * lanes
         stages = 0
         while (1 << stages) < block:
@@ -94,7 +120,13 @@ def make_rotate(lanes, inverse):
         odd = stages % RADIX_STAGES
         first = np.empty(span, np.float32)
         second = np.empty(span, np.float32)
-        for s in range(x.size // span):
+        maxima = np.zeros(ends.size if fold else 0, np.int32)
+        piece = 0
+        spans = x.size // span
+        # the residual is added over groups of spans of FOLD_ELEMENTS, still in L2 (per span,
+        # small spans spend more on the loop than on the additions)
+        group = max(1, FOLD_ELEMENTS // span)
+        for s in range(spans):
             xs = x[s * span: (s + 1) * span]
             ds = signs[s * span: (s + 1) * span]
             ys = out[s * span: (s + 1) * span]
@@ -104,29 +136,34 @@ def make_rotate(lanes, inverse):
                         ys[j] = xs[j] * norm * np.float32(ds[j])
                     else:
                         ys[j] = xs[j] * np.float32(ds[j]) * norm
-                continue
-            # the first pass: from x into a buffer
-            done = 0
-            if inverse and stages > RADIX_STAGES:
-                RADIX8(xs, ds, first, lanes, span, norm)
-                done = RADIX_STAGES
-            else:  # D (forward), or a copy: one pass from x to out, which may alias x (LLVM's
-                # alias checks then fail and the pass runs scalar)
-                for j in range(span):
-                    first[j] = xs[j] if inverse else xs[j] * np.float32(ds[j])
-            src, dst = first, second
-            last_stages = odd if odd else RADIX_STAGES
-            while stages - done > last_stages:
-                RADIX8(src, ds, dst, lanes << done, span, norm)
-                src, dst = dst, src
-                done += RADIX_STAGES
-            last_pass(src, ds, ys, stages - done, lanes << done, span, norm, inverse)
-            if inverse and stages - done == RADIX_STAGES:
-                for j in range(span):
-                    ys[j] = ys[j] * np.float32(ds[j])
+            else:
+                # the first pass: from x into a buffer
+                done = 0
+                if inverse and stages > RADIX_STAGES:
+                    RADIX8(xs, ds, first, lanes, span, norm)
+                    done = RADIX_STAGES
+                else:  # D (forward), or a copy: one pass from x to out, which may alias x
+                    # (LLVM's alias checks then fail and the pass runs scalar)
+                    for j in range(span):
+                        first[j] = xs[j] if inverse else xs[j] * np.float32(ds[j])
+                src, dst = first, second
+                last_stages = odd if odd else RADIX_STAGES
+                while stages - done > last_stages:
+                    RADIX8(src, ds, dst, lanes << done, span, norm)
+                    src, dst = dst, src
+                    done += RADIX_STAGES
+                last_pass(src, ds, ys, stages - done, lanes << done, span, norm, inverse)
+                if inverse and stages - done == RADIX_STAGES:
+                    for j in range(span):
+                        ys[j] = ys[j] * np.float32(ds[j])
+            if fold and ((s + 1) % group == 0 or s == spans - 1):
+                lo = s // group * group * span
+                piece = fold_span(out[lo: (s + 1) * span], residual[lo: (s + 1) * span], ends,
+                                  maxima, piece, lo)
+        return maxima
 
     return rotate_spans
 
 
-ROTATE = {(lanes, inverse): make_rotate(lanes, inverse) for lanes in (1, LANES)
-          for inverse in (False, True)}
+ROTATE = {(lanes, inverse, fold): make_rotate(lanes, inverse, fold) for lanes in (1, LANES)
+          for inverse, fold in ((False, False), (True, False), (False, True))}

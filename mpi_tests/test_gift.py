@@ -5,6 +5,7 @@ import torch
 import horovod.torch as hvd
 
 import horovod_gift as gift
+from horovod_gift.rotation import HadamardRotation
 from helpers import assert_identical_on_all_ranks, assert_same_on_all_ranks
 
 FORMATS = [("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", 32), ("nvfp4", None)]
@@ -277,11 +278,17 @@ def test_adasum_is_refused_clearly():
         opt.step()
 
 
-@pytest.mark.parametrize("fmt,transform", [("nvfp4", "hadamard"), ("fp8_e4m3", "whiten")])
-def test_native_kernels_train_bit_identical_to_the_torch_references(fmt, transform):
-    """The CPU kernels in real training (rotation, feedback, reduce-scatter sums, re-quantization,
-    decode, inverse rotation in place on the decoded sum): the same parameters, bit for bit, as
-    the plain-torch references, on every rank."""
+@pytest.mark.parametrize("fmt,transform", [("nvfp4", "hadamard"), ("fp8_e4m3", "whiten"),
+                                           ("fp8_e5m2", "whiten+hadamard")])
+def test_native_kernels_train_bit_identical_to_the_torch_references(monkeypatch, fmt, transform):
+    """The CPU kernels in real training (rotation with the residual added in its pass, feedback,
+    the owner's sums with division and residual, re-quantization, decode, inverse rotation in
+    place on the decoded sum): the same parameters, bit for bit, as the plain-torch references,
+    on every rank."""
+    folds = []
+    apply_folded = HadamardRotation.apply_folded
+    monkeypatch.setattr(HadamardRotation, "apply_folded",
+                        lambda *a: folds.append(1) or apply_folded(*a))
     parameters = {}
     for backend in ("torch", "native"):
         with gift.use_kernels(backend):
@@ -293,3 +300,4 @@ def test_native_kernels_train_bit_identical_to_the_torch_references(fmt, transfo
     ):
         assert torch.equal(reference, native), f"{name}: native kernels differ after 6 steps"
     assert_identical_on_all_ranks(parameters["native"], "parameters trained on the native kernels")
+    assert bool(folds) == transform.endswith("hadamard"), "the rotation's fold was not taken"

@@ -80,6 +80,63 @@ def test_decode_and_accumulate_equal_reference(fmt, block, n):
     assert torch.equal(bits(decoded[0]), bits(decoded[1])), "decoded values differ"
 
 
+def payloads_of(fmt, block, n, k=3):
+    """k payloads of n elements, as rows: codes, scales, tensor scales (None for FP8)."""
+    with gift.use_kernels("torch"):
+        payloads = [formats.quantize(sample(n, j) * (j + 1), fmt, block) for j in range(k)]
+    codes = torch.stack([p[0] for p in payloads])
+    scales = torch.stack([p[1] for p in payloads])
+    return codes, scales, torch.cat([p[2] for p in payloads]) if fmt == "nvfp4" else None
+
+
+@pytest.mark.parametrize("fmt,block", CODECS)
+@pytest.mark.parametrize("n", [1, 17, 4128, 70_037])
+@pytest.mark.parametrize("divisor,feedback,stochastic",
+                         [(1, False, False), (3, True, False), (2, True, True), (4, False, True)])
+def test_sum_quantize_equals_reference(monkeypatch, fmt, block, n, divisor, feedback,
+                                       stochastic):
+    """The owner's stage (sum, division, residual, quantization in the sum's pass natively) gives
+    the bits of accumulate, div_ and quantize under the references, residual included."""
+    codes, scales, tensor_scales = payloads_of(fmt, block, n)
+    residual0 = torch.randn(n, generator=torch.Generator().manual_seed(2)) * 0.1
+
+    def run():
+        residual = residual0.clone() if feedback else None
+        out = torch.full((n,), float("nan"))
+        payload = formats.sum_quantize(codes, scales, tensor_scales, n, fmt, block, divisor,
+                                       stochastic, 5, residual, out)
+        return payload, residual
+
+    (ref, ref_residual), (got, got_residual) = both(run)
+    assert_same(ref, got, f"{fmt}/{block} n={n}")
+    if feedback:
+        assert torch.equal(bits(ref_residual), bits(got_residual)), "residuals differ"
+    monkeypatch.setattr(formats.fused, "rotate_feedback_quantize_torch", None)
+    with gift.use_kernels("native"):
+        assert_same(ref, run()[0], f"{fmt}/{block} n={n}, in the native pass alone")
+
+
+@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", 32), ("fp8_e5m2", None)])
+def test_sum_quantize_of_nonfinite_follows_the_reference(fmt, block):
+    """A residual holding inf makes the owner's input non-finite: the native pass leaves the
+    residual as it was and the reference's rules decide, as under the torch backend."""
+    n = 5000
+    codes, scales, tensor_scales = payloads_of(fmt, block, n, k=2)
+
+    def run():
+        residual = torch.full((n,), 1e-3)
+        residual[4321] = float("inf")
+        payload = formats.sum_quantize(codes, scales, tensor_scales, n, fmt, block, 2, False, 0,
+                                       residual, torch.empty(n))
+        return payload, residual, formats.dequantize(*payload, n, fmt, block)
+
+    (ref, ref_residual, ref_decoded), (got, got_residual, got_decoded) = both(run)
+    assert_same(ref, got, fmt)
+    assert torch.equal(bits(ref_residual), bits(got_residual)), "residuals differ"
+    assert torch.equal(bits(ref_decoded), bits(got_decoded)), "decoded values differ"
+    assert not torch.isfinite(got_decoded).all()
+
+
 @pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", 32), ("fp8_e5m2", None)])
 def test_nonfinite_input_follows_the_reference(fmt, block):
     """A NaN reaches the torch reference untouched (the residual is not half-updated): the
@@ -120,6 +177,60 @@ def test_rotation_equals_reference_into_any_output(block, inverse):
     for name, result in results.items():
         assert torch.equal(bits(result), bits(expected)), f"{name}: differs from the reference"
     assert not torch.equal(expected, x)
+
+
+@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", None), ("fp8_e5m2", 32)])
+@pytest.mark.parametrize("hadamard", [16, 128])
+@pytest.mark.parametrize("n", [17, 4128, 70_079])
+@pytest.mark.parametrize("feedback", [False, True])
+def test_rotated_quantize_equals_reference(monkeypatch, fmt, block, hadamard, n, feedback):
+    """quantize with a rotation (natively: the residual added and the amax found in the
+    rotation's pass) gives the references' bits, residual included."""
+    x = sample(n, 6)
+    residual0 = torch.randn(n, generator=torch.Generator().manual_seed(3)) * 0.1
+
+    def run():
+        residual = residual0.clone() if feedback else None
+        payload = formats.quantize(x, fmt, block, True, 8, residual, HadamardRotation(hadamard, 4))
+        return payload, residual
+
+    (ref, ref_residual), (got, got_residual) = both(run)
+    assert_same(ref, got, f"{fmt}/{block} H{hadamard} n={n}")
+    if feedback:
+        assert torch.equal(bits(ref_residual), bits(got_residual)), "residuals differ"
+        monkeypatch.setattr(formats.fused, "rotate_feedback_quantize_torch", None)
+        with gift.use_kernels("native"):
+            assert_same(ref, run()[0], "in the native pass alone")
+
+
+@pytest.mark.parametrize("block", [1, 16, 128])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_rotation_with_residual_gives_each_pieces_amax(monkeypatch, block, threads):
+    """apply_folded: the rotation plus the residual, bit for bit, and each piece's largest
+    magnitude, for pieces ending anywhere (mid-span, in the tail, one element long), across
+    threads; a piece holding an inf or NaN reads as not finite, the others as before."""
+    monkeypatch.setattr(native, "THREAD_MIN_ELEMENTS", 1 << 10)
+    n = 70_079
+    x, residual = sample(n, 7), torch.randn(n, generator=torch.Generator().manual_seed(4))
+    ends = [1, 2, 32, 2048 * 3 + 5, 40_000, 69_999, 70_000, n]
+    rotation = HadamardRotation(block, 5)
+    with gift.use_kernels("torch"):
+        expected = rotation.apply(x) + residual
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.full((n,), float("nan"))
+        maxima = rotation.apply_folded(x, residual, ends, out)
+        residual[40_010] = float("inf")
+        poisoned = rotation.apply_folded(x, residual, ends, torch.empty(n))
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(bits(out), bits(expected)), "the rotation plus the residual differs"
+    starts = [0] + ends[:-1]
+    largest = [expected[lo:hi].abs().max() for lo, hi in zip(starts, ends)]
+    assert [native.magnitude_float(m) for m in maxima] == [float(v) for v in largest]
+    assert poisoned[5] >= native.INF_BITS
+    assert list(poisoned[:5]) + list(poisoned[6:]) == list(maxima[:5]) + list(maxima[6:])
 
 
 @pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", 64)])
