@@ -51,49 +51,71 @@ class Codec:
     def payload_bytes(self, m):
         return sum(self.layout(m)) if m else 0
 
-    def encode(self, flat, residual=None, seed=0, folded_bits=None):
-        """flat fp32 -> uint8 payload; residual (same size, fp32 or bf16) is updated in place.
-        The kernels update fp32 residuals: a bf16 one goes through an fp32 workspace and back
-        (round to nearest even, the same on every device). folded_bits: flat already holds
-        x + residual, summed natively, with this largest magnitude_bits (quantize_folded)."""
-        if flat.numel() == 0:
-            return torch.empty(0, dtype=torch.uint8, device=flat.device)
+    def encode(self, flat, residual=None, seed=0, folded_bits=None, out=None):
+        """flat fp32 -> uint8 payload (written into out, payload_bytes of uint8, if given);
+        residual (same size, fp32 or bf16) is updated in place. The kernels update fp32
+        residuals: a bf16 one goes through an fp32 workspace and back (round to nearest even,
+        the same on every device). folded_bits: flat already holds x + residual, summed
+        natively, with this largest magnitude_bits (quantize_folded)."""
+        m = flat.numel()
+        payload = self._payload(m, flat.device, out)
+        if m == 0:
+            return payload
         fmt, block, stochastic = self.format, self.block_size, self.rounding == "stochastic"
         if folded_bits is None:
             def quantizer(wide):
-                return quantize(flat, fmt, block, stochastic, seed, wide)
+                return quantize(flat, fmt, block, stochastic, seed, wide, payload=payload)
         else:
             def quantizer(wide):
-                return quantize_folded(flat, folded_bits, wide, fmt, block, stochastic, seed)
-        return self._with_fp32_residual(residual, flat.numel(), flat.device, quantizer)
+                return quantize_folded(flat, folded_bits, wide, fmt, block, stochastic, seed,
+                                       payload)
+        return self._with_fp32_residual(residual, m, flat.device, quantizer, payload)
 
-    def reduce_encode(self, payloads, m, divisor, residual=None, seed=0, out=None):
-        """The payload of the fp32 sum of the payloads of an m-element piece (in their order)
-        divided by divisor, encoded with residual as encode does; out: m fp32 elements of
-        workspace for the sum."""
+    def reduce_encode(self, payloads, m, divisor, residual=None, seed=0, sum_out=None, out=None):
+        """The payload (into out, as in encode) of the fp32 sum of the payloads of an m-element
+        piece (in their order) divided by divisor, encoded with residual as encode does;
+        sum_out: m fp32 elements of workspace for the sum."""
         pieces = [self.split(p, m) for p in payloads]
         tensor_scales = None if pieces[0][2] is None else torch.cat([p[2] for p in pieces])
         codes, scales = (torch.stack([p[k] for p in pieces]) for k in (0, 1))
         stochastic = self.rounding == "stochastic"
+        payload = self._payload(m, codes.device, out)
         return self._with_fp32_residual(
             residual, m, codes.device,
             lambda wide: sum_quantize(codes, scales, tensor_scales, m, self.format,
-                                      self.block_size, divisor, stochastic, seed, wide, out),
+                                      self.block_size, divisor, stochastic, seed, wide, sum_out,
+                                      payload),
+            payload,
         )
 
+    def _payload(self, m, device, out):
+        if out is None:
+            return torch.empty(self.payload_bytes(m), dtype=torch.uint8, device=device)
+        if out.dtype != torch.uint8 or out.numel() != self.payload_bytes(m):
+            raise ValueError(f"Codec: out must be {self.payload_bytes(m)} uint8 elements for "
+                             f"{m} values, got {out.dtype} {tuple(out.shape)}")
+        return out
+
     @staticmethod
-    def _with_fp32_residual(residual, m, device, quantizer):
-        """The payload of quantizer(an fp32 residual or None): a narrow residual is widened into
-        a workspace and rounded back after."""
+    def _with_fp32_residual(residual, m, device, quantizer, payload):
+        """payload, holding quantizer(an fp32 residual or None)'s codes and scales: a narrow
+        residual is widened into a workspace and rounded back after. Parts the native kernels
+        wrote in place are not copied."""
         narrow = residual is not None and residual.dtype != torch.float32
         wide = workspace(m, device, "residual").copy_(residual) if narrow else residual
         codes, scales, tensor_scale = quantizer(wide)
         if narrow:
             residual.copy_(wide)
-        parts = [codes, scales.reshape(-1).view(torch.uint8)]
-        if tensor_scale is not None:
-            parts.append(tensor_scale.reshape(-1).view(torch.uint8))
-        return torch.cat(parts)
+        position = 0
+        for part in (codes, scales, tensor_scale):
+            if part is None:
+                continue
+            data = part.reshape(-1).view(torch.uint8)
+            target = payload[position : position + data.numel()]
+            if data.data_ptr() != target.data_ptr():
+                target.copy_(data)
+            position += data.numel()
+        return payload
 
     def split(self, payload, m):
         """(codes, scales, tensor_scale) views of a payload of an m-element piece."""
@@ -209,9 +231,6 @@ class BucketReduction:
         self.wait_seconds = 0.0  # blocked in hvd.synchronize
         self.amax_bounds = []  # Codec.amax_bound of each piece encoded with a residual
 
-    def _no_bytes(self):
-        return torch.empty(0, dtype=torch.uint8, device=self.flats[0].device)
-
     def _wait(self, handle):
         t0 = time.perf_counter()
         out = hvd.synchronize(handle)
@@ -224,10 +243,12 @@ class BucketReduction:
         return payload
 
     def start(self):
-        payloads, encoded = [], [0] * len(self.flats)   # pieces of each flat so far
+        sizes = [[self.codec.payload_bytes(hi - lo) for _, lo, hi in chunk]
+                 for chunk in self.pieces]
+        send = torch.empty(sum(map(sum, sizes)), dtype=torch.uint8, device=self.flats[0].device)
+        position, encoded = 0, [0] * len(self.flats)   # pieces of each flat so far
         for k, chunk in enumerate(self.pieces):
-            parts = []
-            for i, lo, hi in chunk:
+            for (i, lo, hi), size in zip(chunk, sizes[k]):
                 residual = None if self.residual1 is None else self.residual1[i][lo:hi]
                 maxima = self.maxima[i]
                 payload = self.codec.encode(
@@ -235,15 +256,16 @@ class BucketReduction:
                     residual,
                     mix_seed(self.codec.seed, self.step, self.rank, k, i, 1),
                     folded_bits=None if maxima is None else int(maxima[encoded[i]]),
+                    out=send[position : position + size],
                 )
                 encoded[i] += 1
-                parts.append(self._bound(payload, hi - lo, residual))
-            payloads.append(torch.cat(parts) if parts else self._no_bytes())
+                position += size
+                self._bound(payload, hi - lo, residual)
         # Horovod reads the splits on the host, whatever the payload's device
-        splits = torch.tensor([p.numel() for p in payloads], dtype=torch.int32, device="cpu")
+        splits = torch.tensor([sum(s) for s in sizes], dtype=torch.int32, device="cpu")
         self.bytes_sent += int(splits.sum()) - int(splits[self.rank])
         self._handle = hvd.alltoall_async(
-            torch.cat(payloads),
+            send,
             splits=splits,
             name=f"{self.name}.reduce_scatter",
             process_set=self.process_set,
@@ -253,27 +275,28 @@ class BucketReduction:
     def exchange(self):
         received, received_splits = self._wait(self._handle)
         sources = torch.split(received, received_splits.tolist())
-        parts, offset, position = [], 0, 0
-        for i, lo, hi in self.pieces[self.rank]:
+        mine = self.pieces[self.rank]
+        sizes = [self.codec.payload_bytes(hi - lo) for _, lo, hi in mine]
+        out = torch.empty(sum(sizes), dtype=torch.uint8, device=received.device)
+        offset, position = 0, 0
+        for (i, lo, hi), size in zip(mine, sizes):
             m = hi - lo
-            size = self.codec.payload_bytes(m)
-            payloads = [src[position : position + size] for src in sources]
-            position += size
             residual = None if self.residual2 is None else self.residual2[offset : offset + m]
             payload = self.codec.reduce_encode(
-                payloads,
+                [src[position : position + size] for src in sources],
                 m,
                 self.n if self.average else 1,
                 residual,
                 mix_seed(self.codec.seed, self.step, self.rank, i, 2),
-                out=workspace(m, received.device, "sum"),
+                sum_out=workspace(m, received.device, "sum"),
+                out=out[position : position + size],
             )
-            parts.append(self._bound(payload, m, residual))
+            self._bound(payload, m, residual)
             offset += m
-        mine = torch.cat(parts) if parts else self._no_bytes()
-        self.bytes_sent += mine.numel() * (self.n - 1)
+            position += size
+        self.bytes_sent += out.numel() * (self.n - 1)
         self._handle = hvd.allgather_async(
-            mine, name=f"{self.name}.allgather", process_set=self.process_set
+            out, name=f"{self.name}.allgather", process_set=self.process_set
         )
         return self
 

@@ -69,10 +69,13 @@ def _flat_fp32(x, name):
 FUSED_SPAN_MAX = 1 << 15
 
 
-def quantize(flat, format, block_size=None, stochastic=False, seed=0, residual=None, rotation=None):
+def quantize(flat, format, block_size=None, stochastic=False, seed=0, residual=None, rotation=None,
+             payload=None):
     """The codec's one entry point on flat fp32 data: optional rotation (a HadamardRotation),
     optional error-feedback residual (fp32, updated in place), then quantization. Returns (codes,
-    scales, tensor_scale)."""
+    scales, tensor_scale). payload: a uint8 tensor of payload_layout's bytes where the native
+    kernels may write the codes and scales (then views of it are returned; other kernels
+    ignore it)."""
     if rotation is not None and not isinstance(rotation, HadamardRotation):
         raise TypeError(f"quantize: rotation must be a HadamardRotation or None, "
                         f"got {type(rotation).__name__}")
@@ -90,10 +93,11 @@ def quantize(flat, format, block_size=None, stochastic=False, seed=0, residual=N
         if runs_native(flat) and residual is not None and flat.numel():
             bits = rotation.apply_folded(flat, residual, [flat.numel()], rotated)
             return quantize_folded(rotated, int(bits[0]), residual, format, block_size,
-                                   stochastic, seed)
+                                   stochastic, seed, payload)
         flat = rotation.apply(flat, out=rotated)
     if runs_native(flat):
-        result = native.quantize_native(flat, residual, format, block_size, seed, stochastic)
+        result = native.quantize_native(flat, residual, format, block_size, seed, stochastic,
+                                        payload=payload)
         if result is not None:
             return result
     # the reference: the torch path, and the native path's non-finite input (the NaN rules)
@@ -183,32 +187,35 @@ def accumulate(codes, scales, tensor_scales, n, format, block_size=None, out=Non
 
 
 def sum_quantize(codes, scales, tensor_scales, n, format, block_size, divisor, stochastic, seed,
-                 residual, out):
-    """quantize(accumulate(payloads) / divisor, ..., residual): the owner's stage of the
-    reduction, with out (n fp32 elements) as the sum's workspace; divisor 1 for a sum. On CPU
-    the division, the residual's addition and the amax run in the sum's pass (two passes over
-    memory fewer, and the quantizer reads one array instead of two)."""
+                 residual, out, payload=None):
+    """quantize(accumulate(payloads) / divisor, ..., residual, payload=payload): the owner's stage
+    of the reduction, with out (n fp32 elements, or None) as the sum's workspace; divisor 1 for a
+    sum. On CPU the division, the residual's addition and the amax run in the sum's pass (two
+    passes over memory fewer, and the quantizer reads one array instead of two)."""
     _check_out(out, n, codes.device, "sum_quantize")
     if runs_native(codes) and n:
+        out = torch.empty(n, dtype=torch.float32, device=codes.device) if out is None else out
         bits = native.accumulate_native(codes, scales, tensor_scales, n, format, block_size, out,
                                         True, "divide" if residual is None else "fold",
                                         residual, divisor)
-        return quantize_folded(out, bits, residual, format, block_size, stochastic, seed)
+        return quantize_folded(out, bits, residual, format, block_size, stochastic, seed,
+                               payload)
     total = accumulate(codes, scales, tensor_scales, n, format, block_size, out)
     if divisor != 1:
         total.div_(divisor)
-    return quantize(total, format, block_size, stochastic, seed, residual)
+    return quantize(total, format, block_size, stochastic, seed, residual, payload=payload)
 
 
-def quantize_folded(y, bits, residual, format, block_size=None, stochastic=False, seed=0):
+def quantize_folded(y, bits, residual, format, block_size=None, stochastic=False, seed=0,
+                    payload=None):
     """quantize(x, ..., residual) where y = x + residual (y = x without a residual) was summed by
     the native pass that made y, which also found bits, y's largest magnitude_bits; the residual
     is only written. Non-finite y (bits >= INF_BITS) goes to the reference with a residual of
     -0.0 (x + -0.0 is x, bit for bit), whose update becomes the residual: the same bits as
-    quantize."""
+    quantize (payload as in quantize)."""
     if bits < native.INF_BITS:
         return native.quantize_native(y, residual, format, block_size, seed, stochastic,
-                                      folded_amax=native.magnitude_float(bits))
+                                      native.magnitude_float(bits), payload)
     negative_zero = None if residual is None else torch.full_like(y, -0.0)
     result = fused.rotate_feedback_quantize_torch(y, negative_zero, format, block_size, None,
                                                   seed, stochastic)

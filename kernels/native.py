@@ -87,12 +87,15 @@ def _rotate(flat, pieces, signs, inverse, out, residual, ends):
     return maxima
 
 
-def quantize_native(flat, residual, fmt_name, block_size, seed, stochastic, folded_amax=None):
+def quantize_native(flat, residual, fmt_name, block_size, seed, stochastic, folded_amax=None,
+                    payload=None):
     """(codes, scales, tensor_scale) of flat fp32 (+ residual, updated in place), as
     fused.rotate_feedback_quantize_torch without rotation; None, touching nothing, when
     flat (+ residual) holds a non-finite value (the caller then runs the reference).
     folded_amax: flat already is y = x + residual (or x, without one), made by a pass that also
-    found its largest magnitude, this finite np.float32; the residual is then only written."""
+    found its largest magnitude, this finite np.float32; the residual is then only written.
+    payload: a uint8 tensor whose first bytes take the codes (and NVFP4's scale codes after
+    them), returned as views of it."""
     n, device = flat.numel(), flat.device
     x = flat.numpy()
     feedback = None if residual is None else ("add" if folded_amax is None else "folded")
@@ -107,8 +110,7 @@ def quantize_native(flat, residual, fmt_name, block_size, seed, stochastic, fold
     if fmt_name == "nvfp4":
         tensor_scale = np.float32(amax) / np.float32(E2M1[3] * E4M3[3])
         blocks = -(-n // NVFP4_BLOCK)
-        packed = torch.empty((n + 1) // 2, dtype=torch.uint8, device=device)
-        scale_codes = torch.empty(blocks, dtype=torch.uint8, device=device)
+        packed, scale_codes = _byte_parts(payload, ((n + 1) // 2, blocks), device)
         c, sc = packed.numpy(), scale_codes.numpy()
 
         def arguments(first, last):
@@ -123,7 +125,7 @@ def quantize_native(flat, residual, fmt_name, block_size, seed, stochastic, fold
     tensor_scale = np.float32(amax) / FP8_FORMATS[fmt_name][3] if per_tensor else F0
     block = FP8_TILE if per_tensor else block_size
     blocks = -(-n // block)
-    codes = torch.empty(n, dtype=torch.uint8, device=device)
+    (codes,) = _byte_parts(payload, (n,), device)
     scales = torch.full((1 if per_tensor else blocks,), float(tensor_scale), device=device)
     c, sc = codes.numpy(), scales.numpy()
 
@@ -135,6 +137,14 @@ def quantize_native(flat, residual, fmt_name, block_size, seed, stochastic, fold
     run_tiles(FP8_QUANTIZE[feedback, stochastic, per_tensor, fmt_name], blocks, block,
               fp8_arguments)
     return codes, scales, None
+
+
+def _byte_parts(payload, sizes, device):
+    """uint8 tensors of these sizes: consecutive views of payload, or new ones without it."""
+    if payload is None:
+        return [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+    offsets = np.cumsum((0,) + sizes)
+    return [payload[lo:hi] for lo, hi in zip(offsets, offsets[1:])]
 
 
 def feedback_amax(x, r, add):

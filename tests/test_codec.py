@@ -209,3 +209,31 @@ def test_scrub_reads_no_residual_under_a_finite_bound_and_clears_the_others():
     assert torch.isnan(residual[1]), "a bound under FINITE_AMAX means the sum is skipped"
     feedback.scrub([residual], [torch.tensor([float("inf")])])
     assert torch.equal(residual, torch.tensor([1.0, 0.0, 2.0]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt,block", CODECS)
+def test_encode_into_a_slice_of_a_send_buffer(backend, fmt, block):
+    """Codec.encode(out=...) writes the payload's bytes into that slice of a larger buffer and
+    nowhere else (the native kernels write codes and scales straight into it), the same bytes
+    as a payload of its own; reduce_encode likewise for the owner's stage."""
+    from horovod_gift.collective import Codec
+
+    m = 4133
+    x = torch.randn(m, generator=torch.Generator().manual_seed(5))
+    codec = Codec(fmt, block)
+    size = codec.payload_bytes(m)
+    with gift.use_kernels(backend):
+        alone = codec.encode(x, torch.zeros(m))
+        buffer = torch.full((size + 11,), 0xA5, dtype=torch.uint8)
+        written = codec.encode(x, torch.zeros(m), out=buffer[5 : 5 + size])
+        assert written.data_ptr() == buffer[5:].data_ptr()
+        summed = codec.reduce_encode([alone, alone], m, 2, torch.zeros(m))
+        buffer2 = torch.full((size + 11,), 0xA5, dtype=torch.uint8)
+        codec.reduce_encode([alone, alone], m, 2, torch.zeros(m), out=buffer2[3 : 3 + size])
+        with pytest.raises(ValueError, match=f"out must be {size} uint8"):
+            codec.encode(x, out=buffer[:size - 1])
+    assert torch.equal(buffer[5 : 5 + size], alone)
+    assert torch.equal(buffer2[3 : 3 + size], summed)
+    for untouched in (buffer[:5], buffer[5 + size:], buffer2[:3], buffer2[3 + size:]):
+        assert bool((untouched == 0xA5).all()), "bytes outside the slice were written"
