@@ -91,9 +91,11 @@ class Codec:
     def _payload(self, m, device, out):
         if out is None:
             return torch.empty(self.payload_bytes(m), dtype=torch.uint8, device=device)
-        if out.dtype != torch.uint8 or out.numel() != self.payload_bytes(m):
-            raise ValueError(f"Codec: out must be {self.payload_bytes(m)} uint8 elements for "
-                             f"{m} values, got {out.dtype} {tuple(out.shape)}")
+        size = self.payload_bytes(m)
+        if (out.dtype != torch.uint8 or out.numel() != size or not out.is_contiguous()
+                or out.device != device):
+            raise ValueError(f"Codec: out must be {size} contiguous uint8 elements on {device} "
+                             f"for {m} values, got {out.dtype} {tuple(out.shape)} on {out.device}")
         return out
 
     @staticmethod

@@ -229,10 +229,11 @@ class GIFT(Checkpointing, Compressor):
             plain = tensor if tensor.dtype in HOROVOD_DTYPES else tensor.to(torch.float32)
             return plain, ("plain", name, tensor.dtype)
         self.plan.record(name, tensor, self.codec)
-        fold = self.feedback.rotation_fold(name, self.process_set.size()) if self.feedback else None
-        self.current.u[name], self.current.maxima[name] = (
-            fold and self.plan.forward_folded(name, tensor, *fold)
-            or (self.plan.forward(name, tensor, in_place=True), None))
+        if self.feedback and self.feedback.dtype == torch.float32 and self.plan.folds(name, tensor):
+            self.current.u[name], self.current.maxima[name] = self.plan.forward_folded(
+                name, tensor, *self.feedback.residual_pieces(name, self.process_set.size()))
+        else:
+            self.current.u[name] = self.plan.forward(name, tensor, in_place=True)
         self.current.shapes[name] = (tensor.shape, tensor.dtype)
         bucket = self.bucket_of[name]
         if all(n in self.current.u for n in self.buckets[bucket]):
@@ -395,7 +396,6 @@ class GIFT(Checkpointing, Compressor):
         step's start for the slowest rank), and steps that took the fp32 path because a rank had
         called hvd.join() or GIFT was warming up."""
         return self.telemetry.stats(self.step, self.plan.counts(self.bucket_of))
-
 
 
 def _check_instance(obj):

@@ -44,12 +44,9 @@ class ErrorFeedback:
                 self.stage1[n] = self._zeros(self.params[n].numel(), self.params[n].device)
         return [self.stage1[n] for n in names]
 
-    def rotation_fold(self, name, n):
-        """(r1 of name, the ends of its pieces in its bucket's n chunks) for a rotation that
-        adds r1 in its own pass (TransformPlan.forward_folded); None for bf16 residuals, which
-        the quantizer widens itself."""
-        if self.dtype != torch.float32:
-            return None
+    def residual_pieces(self, name, n):
+        """(r1 of name, the ends of name's pieces in its bucket's n chunks): for a rotation that
+        adds r1 in its own pass (TransformPlan.forward_folded; fp32 residuals only)."""
         if (name, n) not in self._ends:
             names = next(b for b in self.buckets if name in b)
             index = names.index(name)

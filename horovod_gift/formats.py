@@ -74,8 +74,8 @@ def quantize(flat, format, block_size=None, stochastic=False, seed=0, residual=N
     """The codec's one entry point on flat fp32 data: optional rotation (a HadamardRotation),
     optional error-feedback residual (fp32, updated in place), then quantization. Returns (codes,
     scales, tensor_scale). payload: a uint8 tensor of payload_layout's bytes where the native
-    kernels may write the codes and scales (then views of it are returned; other kernels
-    ignore it)."""
+    kernels write the codes (and NVFP4's scale codes), returned as views of it; the other
+    scales, and every part on the other paths, are separate tensors (Codec copies them in)."""
     if rotation is not None and not isinstance(rotation, HadamardRotation):
         raise TypeError(f"quantize: rotation must be a HadamardRotation or None, "
                         f"got {type(rotation).__name__}")
@@ -188,9 +188,9 @@ def accumulate(codes, scales, tensor_scales, n, format, block_size=None, out=Non
 
 def sum_quantize(codes, scales, tensor_scales, n, format, block_size, divisor, stochastic, seed,
                  residual, out, payload=None):
-    """quantize(accumulate(payloads) / divisor, ..., residual, payload=payload): the owner's stage
-    of the reduction, with out (n fp32 elements, or None) as the sum's workspace; divisor 1 for a
-    sum. On CPU the division, the residual's addition and the amax run in the sum's pass (two
+    """quantize(accumulate(payloads) / divisor, ..., residual (fp32), payload=payload): the owner's
+    stage of the reduction, with out (n fp32 elements, or None) as the sum's workspace; divisor 1
+    for a sum. On CPU the division, the residual's addition and the amax run in the sum's pass (two
     passes over memory fewer, and the quantizer reads one array instead of two)."""
     _check_out(out, n, codes.device, "sum_quantize")
     if runs_native(codes) and n:
@@ -208,11 +208,11 @@ def sum_quantize(codes, scales, tensor_scales, n, format, block_size, divisor, s
 
 def quantize_folded(y, bits, residual, format, block_size=None, stochastic=False, seed=0,
                     payload=None):
-    """quantize(x, ..., residual) where y = x + residual (y = x without a residual) was summed by
-    the native pass that made y, which also found bits, y's largest magnitude_bits; the residual
-    is only written. Non-finite y (bits >= INF_BITS) goes to the reference with a residual of
-    -0.0 (x + -0.0 is x, bit for bit), whose update becomes the residual: the same bits as
-    quantize (payload as in quantize)."""
+    """quantize(x, ..., residual (fp32)) where y = x + residual (y = x without a residual) was
+    summed by the native pass that made y, which also found bits, y's largest magnitude_bits;
+    the residual is only written. Non-finite y (bits >= INF_BITS) goes to the reference with a
+    residual of -0.0 (x + -0.0 is x, bit for bit), whose update becomes the residual: the same
+    bits as quantize (payload as in quantize)."""
     if bits < native.INF_BITS:
         return native.quantize_native(y, residual, format, block_size, seed, stochastic,
                                       native.magnitude_float(bits), payload)

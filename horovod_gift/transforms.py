@@ -49,15 +49,15 @@ class TransformPlan:
         flat, out = self._before_rotation(name, g, plan, in_place)
         return self.rotation.apply(flat, out=out) if plan.endswith("hadamard") else flat
 
+    def folds(self, name, g):
+        """Whether forward_folded applies: a native CPU rotation ends name's transform."""
+        return self.choice[name].endswith("hadamard") and runs_native(g)
+
     def forward_folded(self, name, g, residual, ends):
         """(forward(name, g, in_place=True) + residual, each piece's largest magnitude_bits) with
-        the residual added in the rotation's pass (HadamardRotation.apply_folded), where a
-        native CPU rotation ends name's transform; None otherwise, nothing computed."""
-        plan = self.choice[name]
-        if not plan.endswith("hadamard") or not runs_native(g):
-            return None
-        flat, out = self._before_rotation(name, g, plan, in_place=True)
-        out = torch.empty_like(flat) if out is None else out
+        the residual (fp32) added in the rotation's pass (HadamardRotation.apply_folded), where
+        folds(name, g)."""
+        flat, out = self._before_rotation(name, g, self.choice[name], in_place=True)
         return out, self.rotation.apply_folded(flat, residual, ends, out)
 
     def _before_rotation(self, name, g, plan, in_place):

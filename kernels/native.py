@@ -6,6 +6,11 @@ tiles, with the torch references' fp32 arithmetic operation for operation, so th
     decode:      out = dequantize(codes, scales)
     accumulate:  out = sum over j = 0..k-1 of dequantize(payload j), added in that order
 
+Where a pass makes the quantizer's input, it also adds the residual and finds the amax: the
+forward rotation (rotate_fold_native: y = H_B (D x) / sqrt(B) + r, each piece's amax) and the
+owner's sum (accumulate_native's epilogue: y = sum / n + r); the quantizer then reads y alone
+("folded", native_quantize.FEEDBACK).
+
 The kernels: native_rotate.py, native_quantize.py, native_decode.py, with the scalar arithmetic
 they share in native_scalars.py (its docstring gives the exactness rules); this module holds the
 wrappers formats.py and rotation.py call on flat CPU tensors.
@@ -17,7 +22,7 @@ multiply-add, which would round once where the references round twice.
 
 run_tiles splits a large tensor across threads at tile boundaries (the kernels release the
 GIL; each gets its slices, or, for the decoders, a range [first, last) of tiles), and every split
-gives the same bits: no reduction crosses a tile except amax, and max is exact.
+gives the same bits: no reduction crosses a tile except amax (a piece's too), and max is exact.
 """
 
 from concurrent.futures import ThreadPoolExecutor
@@ -101,7 +106,7 @@ def quantize_native(flat, residual, fmt_name, block_size, seed, stochastic, fold
     feedback = None if residual is None else ("add" if folded_amax is None else "folded")
     r = residual.numpy() if feedback else x
     if folded_amax is None:
-        amax, bad = feedback_amax(x, r, feedback == "add")
+        amax, bad = amax_native(x, r, feedback == "add")
         if bad:
             return None
     else:
@@ -147,7 +152,7 @@ def _byte_parts(payload, sizes, device):
     return [payload[lo:hi] for lo, hi in zip(offsets, offsets[1:])]
 
 
-def feedback_amax(x, r, add):
+def amax_native(x, r, add):
     """The largest |x (+ r)| of numpy fp32 arrays, and whether any of them is not finite."""
     def arguments(first, last):
         part = slice(first * AMAX_TILE, last * AMAX_TILE)

@@ -28,7 +28,7 @@ def make_amax(add):
 
 
 AMAX_TILE = 4096
-AMAX = {feedback: make_amax(feedback) for feedback in (False, True)}
+AMAX = {add: make_amax(add) for add in (False, True)}
 
 
 # NVFP4 runs in chunks of CHUNK_BLOCKS blocks: the per-block work (amax, scale code, divisor)

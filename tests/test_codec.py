@@ -231,7 +231,7 @@ def test_encode_into_a_slice_of_a_send_buffer(backend, fmt, block):
         summed = codec.reduce_encode([alone, alone], m, 2, torch.zeros(m))
         buffer2 = torch.full((size + 11,), 0xA5, dtype=torch.uint8)
         codec.reduce_encode([alone, alone], m, 2, torch.zeros(m), out=buffer2[3 : 3 + size])
-        with pytest.raises(ValueError, match=f"out must be {size} uint8"):
+        with pytest.raises(ValueError, match=f"out must be {size} contiguous uint8"):
             codec.encode(x, out=buffer[:size - 1])
     assert torch.equal(buffer[5 : 5 + size], alone)
     assert torch.equal(buffer2[3 : 3 + size], summed)

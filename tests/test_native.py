@@ -138,16 +138,18 @@ def test_sum_quantize_of_nonfinite_follows_the_reference(fmt, block):
 
 
 @pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", 32), ("fp8_e5m2", None)])
-def test_nonfinite_input_follows_the_reference(fmt, block):
+@pytest.mark.parametrize("rotation", [None, HadamardRotation(16, 1)])
+def test_nonfinite_input_follows_the_reference(fmt, block, rotation):
     """A NaN reaches the torch reference untouched (the residual is not half-updated): the
-    payload decodes to NaN as the reference's does, and so does the residual."""
+    payload decodes to NaN as the reference's does, and so does the residual; with a rotation
+    too (natively the residual is then added in the rotation's pass)."""
     n = 5000
     x = sample(n)
     x[777] = float("nan")
 
     def run():
         residual = torch.full((n,), 1e-3)
-        payload = formats.quantize(x, fmt, block, residual=residual)
+        payload = formats.quantize(x, fmt, block, residual=residual, rotation=rotation)
         return payload, residual, formats.dequantize(*payload, n, fmt, block)
 
     (ref, ref_residual, ref_decoded), (got, got_residual, got_decoded) = both(run)
@@ -299,3 +301,32 @@ def test_decode_and_sum_into_a_slice_write_only_that_slice(backend, fmt, block):
             formats.dequantize(*payload, n, fmt, block, out=result[:n + 1])
         with pytest.raises(ValueError, match="accumulate: out must be a contiguous float32"):
             formats.accumulate(*args, out=result[:n - 1])
+
+
+@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", None), ("fp8_e5m2", 32)])
+def test_pieces_encoded_from_the_folded_rotation_equal_the_plain_path(fmt, block):
+    """BucketReduction's stage 1 under a folded rotation: each piece of u + r1, encoded with its
+    maximum (Codec.encode(folded_bits=...)), gives the payload and new residual of encoding the
+    piece of u with its piece of r1; a piece holding a NaN included."""
+    from horovod_gift.collective import Codec
+
+    n = 70_079
+    x = sample(n, 8)
+    x[50_123] = float("nan")
+    residual = torch.randn(n, generator=torch.Generator().manual_seed(6)) * 0.1
+    ends = [37, 2048 * 3 + 5, 50_000, 69_999, n]
+    rotation, codec = HadamardRotation(128, 2), Codec(fmt, block)
+    with gift.use_kernels("native"):
+        u = rotation.apply(x)
+        folded_residual = residual.clone()
+        y = torch.empty(n)
+        maxima = rotation.apply_folded(x, folded_residual, ends, y)
+        for k, (lo, hi) in enumerate(zip([0] + ends[:-1], ends)):
+            plain_residual = residual[lo:hi].clone()
+            expected = codec.encode(u[lo:hi], plain_residual, seed=k)
+            got = codec.encode(y[lo:hi], folded_residual[lo:hi], seed=k,
+                               folded_bits=int(maxima[k]))
+            assert torch.equal(got, expected), f"piece {k}: payloads differ"
+            assert torch.equal(bits(folded_residual[lo:hi]), bits(plain_residual)), \
+                f"piece {k}: residuals differ"
+    assert maxima[3] >= native.INF_BITS
