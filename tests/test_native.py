@@ -80,6 +80,18 @@ def test_decode_and_accumulate_equal_reference(fmt, block, n):
     assert torch.equal(bits(decoded[0]), bits(decoded[1])), "decoded values differ"
 
 
+def assert_native_alone_matches(monkeypatch, run, what):
+    """run() -> (payload, residual or None): the same bits under the references and the native
+    kernels, then natively with the reference disabled (finite input never falls back to it)."""
+    (ref, ref_residual), (got, got_residual) = both(run)
+    assert_same(ref, got, what)
+    if ref_residual is not None:
+        assert torch.equal(bits(ref_residual), bits(got_residual)), f"{what}: residuals differ"
+    monkeypatch.setattr(formats.fused, "rotate_feedback_quantize_torch", None)
+    with gift.use_kernels("native"):
+        assert_same(ref, run()[0], f"{what}, in the native pass alone")
+
+
 def payloads_of(fmt, block, n, k=3):
     """k payloads of n elements, as rows: codes, scales, tensor scales (None for FP8)."""
     with gift.use_kernels("torch"):
@@ -107,13 +119,7 @@ def test_sum_quantize_equals_reference(monkeypatch, fmt, block, n, divisor, feed
                                        stochastic, 5, residual, out)
         return payload, residual
 
-    (ref, ref_residual), (got, got_residual) = both(run)
-    assert_same(ref, got, f"{fmt}/{block} n={n}")
-    if feedback:
-        assert torch.equal(bits(ref_residual), bits(got_residual)), "residuals differ"
-    monkeypatch.setattr(formats.fused, "rotate_feedback_quantize_torch", None)
-    with gift.use_kernels("native"):
-        assert_same(ref, run()[0], f"{fmt}/{block} n={n}, in the native pass alone")
+    assert_native_alone_matches(monkeypatch, run, f"{fmt}/{block} n={n}")
 
 
 @pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", 32), ("fp8_e5m2", None)])
@@ -196,13 +202,7 @@ def test_rotated_quantize_equals_reference(monkeypatch, fmt, block, hadamard, n,
         payload = formats.quantize(x, fmt, block, True, 8, residual, HadamardRotation(hadamard, 4))
         return payload, residual
 
-    (ref, ref_residual), (got, got_residual) = both(run)
-    assert_same(ref, got, f"{fmt}/{block} H{hadamard} n={n}")
-    if feedback:
-        assert torch.equal(bits(ref_residual), bits(got_residual)), "residuals differ"
-        monkeypatch.setattr(formats.fused, "rotate_feedback_quantize_torch", None)
-        with gift.use_kernels("native"):
-            assert_same(ref, run()[0], "in the native pass alone")
+    assert_native_alone_matches(monkeypatch, run, f"{fmt}/{block} H{hadamard} n={n}")
 
 
 @pytest.mark.parametrize("block", [1, 16, 128])
