@@ -88,7 +88,7 @@ def nvfp4_quantize_chunk(y, codes, new_residual, scale_codes, scratch, tensor_sc
                 code = magnitude + (np.int32(8) if negative else np.int32(0))
                 value = units * (HALF if low else (F1 if mid else TWO))
                 value = -value if negative else value
-            codes[j] = code
+            codes[j] = np.uint8(code)
             if feedback:
                 new_residual[j] = y[j] - value * denom
 
@@ -107,7 +107,10 @@ def make_nvfp4_quantize(feedback_mode, stochastic):
         n = x.size
         y = np.empty(CHUNK, np.float32)
         tail_residual = np.empty(CHUNK if feedback else 0, np.float32)
-        codes = np.empty(CHUNK, np.int32)
+        codes = np.empty(CHUNK, np.uint8)
+        # two codes read as one uint16 (little-endian on every numba target) pack with one
+        # vector shift and mask
+        code_pairs = codes.view(np.uint16)
         chunk_scales = np.empty(CHUNK_BLOCKS, np.int32)
         scratch = (np.empty(CHUNK // 2, np.int32), np.empty(CHUNK // 4, np.int32),
                    np.empty(CHUNK // 8, np.int32), np.empty(CHUNK_BLOCKS, np.int32),
@@ -117,7 +120,10 @@ def make_nvfp4_quantize(feedback_mode, stochastic):
             count = min(CHUNK, n - base)
             # views indexed from 0: LLVM vectorizes them, not an index plus an offset
             xs, rs = x[base: base + count], residual[base: base + count]
-            if count == CHUNK:
+            if count == CHUNK and not add:  # x already is y: quantized where it lies
+                nvfp4_quantize_chunk(xs, codes, rs, chunk_scales, scratch, tensor_scale,
+                                     seed_term, offset + base, feedback, stochastic)
+            elif count == CHUNK:
                 for i in range(CHUNK):
                     y[i] = xs[i] + rs[i] if add else xs[i]
                 nvfp4_quantize_chunk(y, codes, rs, chunk_scales, scratch, tensor_scale,
@@ -133,7 +139,9 @@ def make_nvfp4_quantize(feedback_mode, stochastic):
                         rs[i] = tail_residual[i]
             out = packed[base // 2: base // 2 + (count + 1) // 2]
             for i in range((count + 1) // 2):
-                out[i] = codes[2 * i] | (codes[2 * i + 1] << 4)
+                pair = code_pairs[i]
+                low, high = pair & np.uint16(0x0F), (pair >> np.uint16(4)) & np.uint16(0xF0)
+                out[i] = np.uint8(low | high)
             for b in range(-(-count // NVFP4_BLOCK)):
                 scale_codes[base // NVFP4_BLOCK + b] = chunk_scales[b]
 
