@@ -62,32 +62,27 @@ def nibble(v):
     return np.uint8((np.float32(v).view(np.uint32) >> TOP_BYTE) & np.uint32(15))
 
 
-@njit(**KERNEL)
-def read1_write_nibbles_residual(y, r, packed, scales):
-    """NVFP4 quantize of a folded y: reads y, writes a nibble per element, a byte per 16 and r."""
-    half = TILE // 2
-    for t in range(y.size // TILE):
-        ys, rs, ps = y[t * TILE: (t + 1) * TILE], r[t * TILE: (t + 1) * TILE], packed[t * half:]
-        for k in range(half):
-            ps[k] = nibble(ys[k]) | (nibble(ys[k + half]) << np.uint8(4))
-        for i in range(TILE):
-            rs[i] = ys[i]
-        for k in range(TILE // 16):
-            scales[t * (TILE // 16) + k] = ps[k]
+def make_nibble_pass(add):
+    @njit(**KERNEL)
+    def nibble_pass(x, r, packed, scales):
+        """NVFP4 quantize: reads x (with add, and r: the rotation's pass and the quantizer's in
+        one), writes a nibble per element, a byte per 16 and r."""
+        half = TILE // 2
+        for t in range(x.size // TILE):
+            tile = slice(t * TILE, (t + 1) * TILE)
+            xs, rs, ps = x[tile], r[tile], packed[t * half:]
+            for i in range(TILE):
+                rs[i] = xs[i] + rs[i] if add else xs[i]
+            for k in range(half):
+                ps[k] = nibble(rs[k]) | (nibble(rs[k + half]) << np.uint8(4))
+            for k in range(TILE // 16):
+                scales[t * (TILE // 16) + k] = ps[k]
+
+    return nibble_pass
 
 
-@njit(**KERNEL)
-def read2_write_nibbles_residual(x, r, packed, scales):
-    """rotation + NVFP4 quantize in one pass: reads x and r, writes nibbles, scales and r."""
-    half = TILE // 2
-    for t in range(x.size // TILE):
-        xs, rs, ps = x[t * TILE: (t + 1) * TILE], r[t * TILE: (t + 1) * TILE], packed[t * half:]
-        for i in range(TILE):
-            rs[i] = xs[i] + rs[i]
-        for k in range(half):
-            ps[k] = nibble(rs[k]) | (nibble(rs[k + half]) << np.uint8(4))
-        for k in range(TILE // 16):
-            scales[t * (TILE // 16) + k] = ps[k]
+READ1_WRITE_NIBBLES_RESIDUAL, READ2_WRITE_NIBBLES_RESIDUAL = (make_nibble_pass(add)
+                                                              for add in (False, True))
 
 
 @njit(**KERNEL)
@@ -149,9 +144,9 @@ def main():
         "FP8 decode (reads codes; writes out)": lambda: decode_bytes(codes, out),
         "rotate + residual (reads x, r; writes y)": lambda: read2_write_sum(x, r, y),
         "NVFP4 quantize of y (reads y; writes nibbles, scales, r)":
-            lambda: read1_write_nibbles_residual(y, r, packed, scales),
+            lambda: READ1_WRITE_NIBBLES_RESIDUAL(y, r, packed, scales),
         "rotate + NVFP4 quantize (reads x, r; writes nibbles, scales, r)":
-            lambda: read2_write_nibbles_residual(x, r, packed, scales),
+            lambda: READ2_WRITE_NIBBLES_RESIDUAL(x, r, packed, scales),
         "NVFP4 decode (reads nibbles, scales; writes out)":
             lambda: decode_nibbles(packed, scales, out),
         "inverse rotation in place (reads, writes out)": lambda: in_place(out),
