@@ -125,7 +125,7 @@ def make_nvfp4_quantize(feedback_mode, stochastic):
                                      seed_term, offset + base, feedback, stochastic)
             elif count == CHUNK:
                 for i in range(CHUNK):
-                    y[i] = xs[i] + rs[i] if add else xs[i]
+                    y[i] = xs[i] + rs[i]
                 nvfp4_quantize_chunk(y, codes, rs, chunk_scales, scratch, tensor_scale,
                                      seed_term, offset + base, feedback, stochastic)
             else:

@@ -254,10 +254,17 @@ def test_threads_give_the_same_bits(monkeypatch, fmt, block):
                                            torch.stack([payload[1]] * 2),
                                            None if payload[2] is None else payload[2].repeat(2),
                                            n, fmt, block)
+                # the rotation adds the residual and the quantizer reads its output alone
+                folded_residual = torch.full((n,), 1e-3)
+                folded = formats.quantize(x, fmt, block, residual=folded_residual,
+                                          rotation=HadamardRotation(128, 2))
         finally:
             torch.set_num_threads(previous)
-        results.append([bits(t) for t in (rotated, *payload[:2], residual, total)])
-    for name, one, three in zip(("rotated", "codes", "scales", "residual", "sum"), *results):
+        results.append([bits(t) for t in (rotated, *payload[:2], residual, total, *folded[:2],
+                                          folded_residual)])
+    names = ("rotated", "codes", "scales", "residual", "sum", "folded codes", "folded scales",
+             "folded residual")
+    for name, one, three in zip(names, *results):
         assert torch.equal(one, three), f"{name}: 3 threads differ from 1"
 
 
