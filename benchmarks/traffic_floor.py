@@ -1,17 +1,17 @@
 """The memory traffic of a codec round trip alone: the loads and stores of its passes with no
 arithmetic worth the name, against the fp16 round trip that codec.py's targets are ratios to.
 
-    .venv/bin/python benchmarks/traffic_floor.py     # about 10 s; writes traffic_floor.md
+    .venv/bin/python benchmarks/traffic_floor.py     # about 20 s; writes traffic_floor.md
 
 Each pass below is a numba loop that reads and writes what the codec's pass of the same name
-reads and writes (fp32 x and residual r, 1-byte FP8 codes, packed E2M1 nibbles with a scale byte
-per 16 elements, the fp32 result; the nibble passes in tiles of 4096 elements, as the codec's),
-one thread, timed back to back with the fp16 round trip (copy into an existing fp16 tensor and
-back), medians of the paired ratios as in codec.py. A round trip's row is the sum of its passes'
-medians over the fp16 round trip's. No kernel, however fast its arithmetic, makes a round trip of
-these passes cheaper than its floor; a target below the floor needs fewer passes, and the
-"fewest passes" row says what the fewest the format allows would cost (FP8's per-tensor scale
-needs the whole tensor's amax before any code, so its amax pass stays).
+reads and writes (fp32 x and residual r, the rotation's int8 signs, 1-byte FP8 codes, packed
+E2M1 nibbles with a scale byte per 16 elements, the fp32 result; the nibble passes in tiles of
+4096 elements), one thread. Each pass, and each round trip as all its passes in one call, is
+timed back to back with the fp16 round trip (copy into an existing fp16 tensor and back),
+medians of the paired ratios as in codec.py. An estimate of the floor, not a proven bound: loops
+this simple run near memory speed here, but nothing shows they are the fastest possible. The
+"fewest passes" row is what the fewest passes the format allows would cost (FP8's per-tensor
+scale needs the whole tensor's amax before any code, so its amax pass stays).
 """
 
 import argparse
@@ -27,11 +27,13 @@ from numba import njit
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KERNEL = dict(nogil=True, cache=True, boundscheck=False)
 TOP_BYTE = np.uint32(24)
+TILE = 4096  # elements; nibble passes pair element i of a tile with element i + TILE / 2
+TILE_SCALES = TILE // 16
 
 
 @njit(**KERNEL)
-def read2_max(x, r):
-    """amax pass: reads x and r."""
+def amax_floor(x, r):
+    """amax of x + r: reads x and r."""
     top = np.uint32(0)
     for i in range(x.size):
         top = max(top, np.float32(x[i]).view(np.uint32) | np.float32(r[i]).view(np.uint32))
@@ -39,14 +41,7 @@ def read2_max(x, r):
 
 
 @njit(**KERNEL)
-def read2_write_sum(x, r, y):
-    """rotation with the residual folded in: reads x and r, writes y."""
-    for i in range(x.size):
-        y[i] = x[i] + r[i]
-
-
-@njit(**KERNEL)
-def read2_write_codes_residual(x, r, codes):
+def fp8_quantize_floor(x, r, codes):
     """FP8 quantize with error feedback: reads x and r, writes a byte per element and r."""
     for i in range(x.size):
         y = x[i] + r[i]
@@ -54,7 +49,18 @@ def read2_write_codes_residual(x, r, codes):
         r[i] = y
 
 
-TILE = 4096  # elements; nibble passes pair element i of a tile with element i + TILE / 2
+@njit(**KERNEL)
+def fp8_decode_floor(codes, out):
+    """FP8 decode: reads a byte per element, writes fp32."""
+    for i in range(out.size):
+        out[i] = np.float32(codes[i])
+
+
+@njit(**KERNEL)
+def rotate_fold_floor(x, signs, r, y):
+    """rotation with the residual folded in: reads x, the signs and r, writes y."""
+    for i in range(x.size):
+        y[i] = x[i] * np.float32(signs[i]) + r[i]
 
 
 @njit(inline="always")
@@ -62,60 +68,67 @@ def nibble(v):
     return np.uint8((np.float32(v).view(np.uint32) >> TOP_BYTE) & np.uint32(15))
 
 
-def make_nibble_pass(add):
+def make_nvfp4_quantize_floor(rotated_here):
     @njit(**KERNEL)
-    def nibble_pass(x, r, packed, scales):
-        """NVFP4 quantize: reads x (with add, and r: the rotation's pass and the quantizer's in
-        one), writes a nibble per element, a byte per 16 and r."""
+    def nvfp4_quantize_floor(x, signs, r, packed, scales):
+        """NVFP4 quantize of a folded y = x: reads x, writes a nibble per element, a byte per 16
+        and r; rotated_here (the rotation's pass and the quantizer's in one): reads the signs
+        and r too."""
         half = TILE // 2
         for t in range(x.size // TILE):
             tile = slice(t * TILE, (t + 1) * TILE)
-            xs, rs, ps = x[tile], r[tile], packed[t * half:]
+            xs, ds, rs, ps = x[tile], signs[tile], r[tile], packed[t * half:]
             for i in range(TILE):
-                rs[i] = xs[i] + rs[i] if add else xs[i]
+                rs[i] = xs[i] * np.float32(ds[i]) + rs[i] if rotated_here else xs[i]
             for k in range(half):
                 ps[k] = nibble(rs[k]) | (nibble(rs[k + half]) << np.uint8(4))
-            for k in range(TILE // 16):
-                scales[t * (TILE // 16) + k] = ps[k]
+            for k in range(TILE_SCALES):
+                scales[t * TILE_SCALES + k] = ps[k]
 
-    return nibble_pass
-
-
-READ1_WRITE_NIBBLES_RESIDUAL, READ2_WRITE_NIBBLES_RESIDUAL = (make_nibble_pass(add)
-                                                              for add in (False, True))
+    return nvfp4_quantize_floor
 
 
-@njit(**KERNEL)
-def decode_bytes(codes, out):
-    """FP8 decode: reads a byte per element, writes fp32."""
-    for i in range(out.size):
-        out[i] = np.float32(codes[i])
+NVFP4_QUANTIZE_FLOOR, ROTATE_NVFP4_QUANTIZE_FLOOR = (make_nvfp4_quantize_floor(rotated_here)
+                                                     for rotated_here in (False, True))
 
 
 @njit(**KERNEL)
-def decode_nibbles(packed, scales, out):
-    """NVFP4 decode: reads a nibble per element and a byte per 16, writes fp32."""
+def nvfp4_decode_floor(packed, scales, out):
+    """NVFP4 decode: reads a nibble per element and a byte per 16, writes fp32. The scale bytes
+    are read in a loop of their own (a scale per 16 elements inside the element loops kept LLVM
+    from vectorizing them, slower than the codec's decoder)."""
     half = TILE // 2
     for t in range(out.size // TILE):
         ps, os = packed[t * half: (t + 1) * half], out[t * TILE: (t + 1) * TILE]
-        s = np.float32(scales[t * (TILE // 16)])
+        ss = scales[t * TILE_SCALES: (t + 1) * TILE_SCALES]
+        s = np.uint8(0)
+        for g in range(TILE_SCALES):
+            s |= ss[g]
         for k in range(half):
-            os[k] = np.float32(ps[k] & np.uint8(15)) * s
+            os[k] = np.float32(ps[k] & np.uint8(15))
         for k in range(half):
-            os[k + half] = np.float32(ps[k] >> np.uint8(4)) * s
+            os[k + half] = np.float32(ps[k] >> np.uint8(4))
+        os[0] = np.float32(s)
 
 
 @njit(**KERNEL)
-def in_place(out):
-    """inverse rotation written over its input: reads and writes fp32."""
+def inverse_rotation_floor(out, signs):
+    """inverse rotation written over its input: reads fp32 and the signs, writes fp32."""
     for i in range(out.size):
-        out[i] = -out[i]
+        out[i] = out[i] * np.float32(signs[i])
 
 
 def timed(fn):
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def paired(fn, baseline, repeats):
+    """Median time of fn and median of its ratios to the baseline, each pair back to back."""
+    fn(), baseline()  # compiles, and touches every page
+    pairs = [(timed(fn), timed(baseline)) for _ in range(repeats)]
+    return statistics.median(t for t, _ in pairs), statistics.median(t / b for t, b in pairs)
 
 
 def main():
@@ -128,6 +141,7 @@ def main():
     torch.set_num_threads(1)
     n = args.elements - args.elements % TILE
     x, r, y, out = (torch.randn(n).numpy() for _ in range(4))
+    signs = np.where(np.arange(n) % 3 == 0, -1, 1).astype(np.int8)
     codes, packed = np.zeros(n, np.uint8), np.zeros(n // 2, np.uint8)
     scales = np.ones(n // 16, np.uint8)
     xt = torch.from_numpy(x)
@@ -138,26 +152,20 @@ def main():
         back.copy_(half)
 
     passes = {
-        "amax (reads x, r)": lambda: read2_max(x, r),
-        "FP8 quantize (reads x, r; writes codes, r)":
-            lambda: read2_write_codes_residual(x, r, codes),
-        "FP8 decode (reads codes; writes out)": lambda: decode_bytes(codes, out),
-        "rotate + residual (reads x, r; writes y)": lambda: read2_write_sum(x, r, y),
+        "amax (reads x, r)": lambda: amax_floor(x, r),
+        "FP8 quantize (reads x, r; writes codes, r)": lambda: fp8_quantize_floor(x, r, codes),
+        "FP8 decode (reads codes; writes out)": lambda: fp8_decode_floor(codes, out),
+        "rotate + residual (reads x, signs, r; writes y)":
+            lambda: rotate_fold_floor(x, signs, r, y),
         "NVFP4 quantize of y (reads y; writes nibbles, scales, r)":
-            lambda: READ1_WRITE_NIBBLES_RESIDUAL(y, r, packed, scales),
-        "rotate + NVFP4 quantize (reads x, r; writes nibbles, scales, r)":
-            lambda: READ2_WRITE_NIBBLES_RESIDUAL(x, r, packed, scales),
+            lambda: NVFP4_QUANTIZE_FLOOR(y, signs, r, packed, scales),
+        "rotate + NVFP4 quantize (reads x, signs, r; writes nibbles, scales, r)":
+            lambda: ROTATE_NVFP4_QUANTIZE_FLOOR(x, signs, r, packed, scales),
         "NVFP4 decode (reads nibbles, scales; writes out)":
-            lambda: decode_nibbles(packed, scales, out),
-        "inverse rotation in place (reads, writes out)": lambda: in_place(out),
+            lambda: nvfp4_decode_floor(packed, scales, out),
+        "inverse rotation in place (reads out, signs; writes out)":
+            lambda: inverse_rotation_floor(out, signs),
     }
-    measured = {}
-    for name, fn in passes.items():
-        fn(), fp16_round_trip()  # compiles, and touches every page
-        pairs = [(timed(fn), timed(fp16_round_trip)) for _ in range(args.repeats)]
-        measured[name] = (statistics.median(t for t, _ in pairs),
-                          statistics.median(b for _, b in pairs),
-                          statistics.median(t / b for t, b in pairs))
     names = list(passes)
     round_trips = [
         ("FP8 per tensor, error feedback: the codec's passes (target <= 2x)", names[0:3]),
@@ -172,20 +180,25 @@ def main():
         "Command: `" + " ".join([".venv/bin/python benchmarks/traffic_floor.py", *sys.argv[1:]])
         + "`",
         "",
-        f"{n} fp32 elements, one thread; each pass timed back to back with an fp16 round trip "
-        "into preallocated buffers; medians of the paired ratios.",
+        f"{n} fp32 elements, one thread; each pass, and each round trip's passes in one call, "
+        "timed back to back with an fp16 round trip into preallocated buffers; medians of the "
+        "paired ratios. An estimate of the floor (see the script's docstring).",
         "",
         "| pass | ns/element | ratio to fp16 round trip |",
         "|---|---|---|",
     ]
-    lines += [f"| {name} | {t / n * 1e9:.3f} | {ratio:.2f} |"
-              for name, (t, _, ratio) in measured.items()]
+    for name, fn in passes.items():
+        t, ratio = paired(fn, fp16_round_trip, args.repeats)
+        lines.append(f"| {name} | {t / n * 1e9:.3f} | {ratio:.2f} |")
     lines += ["", "| round trip | floor ns/element | floor ratio to fp16 round trip |",
               "|---|---|---|"]
     for label, parts in round_trips:
-        t = sum(measured[p][0] for p in parts)
-        base = sum(measured[p][1] for p in parts) / len(parts)
-        lines.append(f"| {label} | {t / n * 1e9:.3f} | {t / base:.2f} |")
+        def round_trip(parts=parts):
+            for part in parts:
+                passes[part]()
+
+        t, ratio = paired(round_trip, fp16_round_trip, args.repeats)
+        lines.append(f"| {label} | {t / n * 1e9:.3f} | {ratio:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     pathlib.Path(args.out).write_text(text)

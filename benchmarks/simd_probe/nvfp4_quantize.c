@@ -27,7 +27,9 @@ static inline int32_t e4m3(float v, float *value) {
     float rounded = (units + M) - M;
     float q = rounded * pow2f(e - mbits); if (!(q <= largest)) q = largest;  // min(q, largest)
     int32_t qbits = fbits(q); int qe = (qbits >> 23) - 127;
-    int32_t normal = ((qe + bias) << mbits) | ((qbits >> (23 - mbits)) & ((1 << mbits) - 1));
+    // the shift in uint32_t: qe + bias is negative for a zero or subnormal q (then unused)
+    int32_t normal = (int32_t)(((uint32_t)(qe + bias) << mbits)
+                               | ((qbits >> (23 - mbits)) & ((1 << mbits) - 1)));
     int32_t subnormal = (int32_t)(q * pow2f(mbits - 1 + bias));
     int32_t code = qe >= 1 - bias ? normal : subnormal;
     int nonzero = code != 0;
@@ -100,6 +102,7 @@ void nvfp4_quantize_folded(const float *y, float *r, uint8_t *packed, uint8_t *s
         __m128i odd = _mm_srli_epi16(b16, 8), even = _mm_and_si128(b16, _mm_set1_epi16(0xFF));
         __m128i nib = _mm_or_si128(even, _mm_slli_epi16(odd, 4));
         nib = _mm_packus_epi16(nib, nib);
-        _mm_storel_epi64((__m128i *)(packed + 8 * b), nib);
+        uint64_t eight_bytes = (uint64_t)_mm_cvtsi128_si64(nib);
+        memcpy(packed + 8 * b, &eight_bytes, 8);  // packed + 8 * b need not be aligned
     }
 }

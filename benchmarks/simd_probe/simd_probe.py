@@ -6,8 +6,9 @@ kernels/native_quantize.py, then both timed in turn, one thread.
     .venv/bin/python benchmarks/simd_probe/simd_probe.py    # about 20 s; needs gcc and AVX2
 
 Rows: the whole quantizer (its bits must equal numba's), and the C element loop alone with each
-block's amax and E4M3 scale replaced by constants (ELEMENTS_ONLY: a lower bound on what the
-intrinsics could reach with the per-block work batched as the numba kernel batches it).
+block's amax and E4M3 scale replaced by constants (ELEMENTS_ONLY: wrong bits; an upper bound on
+the speed of a C quantizer that batched the per-block work as the numba kernel does), both
+against the whole numba kernel.
 Writes benchmarks/results/simd_probe.md.
 """
 import ctypes
@@ -53,25 +54,25 @@ def main():
             y[:64] = 0.0
             y[100:112] = [0.75, -1.25, 5.0, 3.5, 2.5, 1.75, 0.25, -0.75, 6.0, 7.0, 1e-30, -0.0]
             tensor_scale = np.float32(np.abs(y).max() / (6 * 448))
-            outputs = [(np.empty(n, np.float32), np.empty(n // 2, np.uint8),
-                        np.empty(n // 16, np.int32)) for _ in range(2)]
-            r, packed, scales = outputs[0]
+            # uint8 scale codes, as quantize_native passes them
+            r, packed, scales = (np.empty(n, np.float32), np.empty(n // 2, np.uint8),
+                                 np.empty(n // 16, np.uint8))
 
             def run_numba():
                 numba_kernel(y, r, packed, scales, tensor_scale, np.uint64(0), 0)
 
             for label, function in variants:
-                c_r, c_packed, c_scales = outputs[1]
-                c_scale_bytes = np.empty(n // 16, np.uint8)
+                c_r, c_packed, c_scales = (np.empty(n, np.float32), np.empty(n // 2, np.uint8),
+                                           np.empty(n // 16, np.uint8))
 
-                def run_c(function=function, c_r=c_r, c_packed=c_packed, c_scales=c_scale_bytes):
+                def run_c(function=function, c_r=c_r, c_packed=c_packed, c_scales=c_scales):
                     function(y.ctypes.data, c_r.ctypes.data, c_packed.ctypes.data,
                              c_scales.ctypes.data, n, tensor_scale)
 
                 run_numba(), run_c()
                 same = (np.array_equal(r.view(np.int32), c_r.view(np.int32))
                         and np.array_equal(packed, c_packed)
-                        and np.array_equal(scales.astype(np.uint8), c_scale_bytes))
+                        and np.array_equal(scales, c_scales))
                 times = {run_numba: [], run_c: []}
                 for _ in range(9):
                     for fn in times:
