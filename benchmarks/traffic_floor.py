@@ -16,13 +16,14 @@ scale needs the whole tensor's amax before any code, so its amax pass stays).
 
 import argparse
 import pathlib
-import statistics
 import sys
 import time
 
 import numpy as np
 import torch
 from numba import njit
+
+from codec import paired_times
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KERNEL = dict(nogil=True, cache=True, boundscheck=False)
@@ -118,19 +119,6 @@ def inverse_rotation_floor(out, signs):
         out[i] = out[i] * np.float32(signs[i])
 
 
-def timed(fn):
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def paired(fn, baseline, repeats):
-    """Median time of fn and median of its ratios to the baseline, each pair back to back."""
-    fn(), baseline()  # compiles, and touches every page
-    pairs = [(timed(fn), timed(baseline)) for _ in range(repeats)]
-    return statistics.median(t for t, _ in pairs), statistics.median(t / b for t, b in pairs)
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -188,7 +176,7 @@ def main():
         "|---|---|---|",
     ]
     for name, fn in passes.items():
-        t, ratio = paired(fn, fp16_round_trip, args.repeats)
+        t, _, ratio = paired_times(fn, fp16_round_trip, args.repeats)
         lines.append(f"| {name} | {t / n * 1e9:.3f} | {ratio:.2f} |")
     lines += ["", "| round trip | floor ns/element | floor ratio to fp16 round trip |",
               "|---|---|---|"]
@@ -197,7 +185,7 @@ def main():
             for part in parts:
                 passes[part]()
 
-        t, ratio = paired(round_trip, fp16_round_trip, args.repeats)
+        t, _, ratio = paired_times(round_trip, fp16_round_trip, args.repeats)
         lines.append(f"| {label} | {t / n * 1e9:.3f} | {ratio:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)

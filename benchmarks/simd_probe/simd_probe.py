@@ -15,16 +15,14 @@ import ctypes
 import pathlib
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from kernels.native_quantize import NVFP4_QUANTIZE  # noqa: E402
+from horovod_gift.kernels.native_quantize import NVFP4_QUANTIZE
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCE = pathlib.Path(__file__).with_name("nvfp4_quantize.c")
 
 
@@ -35,6 +33,12 @@ def build(folder, defines):
     function = ctypes.CDLL(str(library)).nvfp4_quantize_folded
     function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_float]
     return function
+
+
+def outputs(n):
+    """The residual, the packed codes and the uint8 scale codes (as quantize_native passes
+    them) of n elements."""
+    return np.empty(n, np.float32), np.empty(n // 2, np.uint8), np.empty(n // 16, np.uint8)
 
 
 def main():
@@ -54,16 +58,13 @@ def main():
             y[:64] = 0.0
             y[100:112] = [0.75, -1.25, 5.0, 3.5, 2.5, 1.75, 0.25, -0.75, 6.0, 7.0, 1e-30, -0.0]
             tensor_scale = np.float32(np.abs(y).max() / (6 * 448))
-            # uint8 scale codes, as quantize_native passes them
-            r, packed, scales = (np.empty(n, np.float32), np.empty(n // 2, np.uint8),
-                                 np.empty(n // 16, np.uint8))
+            r, packed, scales = outputs(n)
 
             def run_numba():
                 numba_kernel(y, r, packed, scales, tensor_scale, np.uint64(0), 0)
 
             for label, function in variants:
-                c_r, c_packed, c_scales = (np.empty(n, np.float32), np.empty(n // 2, np.uint8),
-                                           np.empty(n // 16, np.uint8))
+                c_r, c_packed, c_scales = outputs(n)
 
                 def run_c(function=function, c_r=c_r, c_packed=c_packed, c_scales=c_scales):
                     function(y.ctypes.data, c_r.ctypes.data, c_packed.ctypes.data,
