@@ -11,7 +11,7 @@ run on the CPU:
    bytes, inverse transform; 2 steps, so the residuals feed back; FP8 E4M3 (per tensor and per
    32), E5M2 and NVFP4, nearest and stochastic rounding; one bucket of tensors of odd sizes. Each
    rank runs the library's own TransformPlan and BucketReduction (start, exchange, finish, as
-   GIFT calls them), Horovod's collectives replaced by an in-process exchange (Loopback). The
+   GIFT calls them), Horovod's collectives replaced by an in-process exchange (LocalGroup). The
    transformed gradients, the bytes every rank gathers, every rank's residuals and results must
    equal the CPU's bit for bit, and every rank must end with identical bytes. Whitening is a
    matmul whose last bit depends on the BLAS: the whitened tensor's transformed gradient and
@@ -26,7 +26,6 @@ logic on the CPU (the Triton interpreter as the device; small sizes, timings mea
         --check-elements 8192 --step-elements 8192
 """
 import argparse
-import contextlib
 import math
 import sys
 import time
@@ -36,8 +35,8 @@ import types
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from horovod_gift import collective  # noqa: E402
 from horovod_gift.collective import BucketReduction, Codec, owned_elements  # noqa: E402
+from horovod_gift.communicator import LocalGroup  # noqa: E402
 from horovod_gift.config import use_kernels  # noqa: E402
 from horovod_gift.geometry import InputWhitening  # noqa: E402
 from horovod_gift.kernels import fp8, fused, hadamard, nvfp4  # noqa: E402
@@ -207,41 +206,6 @@ def gradients(shapes, n, step):
              for j, s in enumerate(shapes.values())] for _ in range(n)]
 
 
-class Loopback:
-    """Stands in for horovod.torch in collective.py while installed: the alltoall and allgather
-    of n ranks in one process, each rank receiving new tensors as from the network. A rank's
-    synchronize needs every rank's call of that collective first, as GIFT's order gives."""
-
-    def __init__(self, n):
-        self.n, self.sent, self.gathered = n, {}, None
-
-    def alltoall_async(self, tensor, splits, name, process_set):
-        self.sent[name, process_set.rank()] = torch.split(tensor, splits.tolist())
-        return name, process_set.rank()
-
-    def allgather_async(self, tensor, name, process_set):
-        self.sent[name, process_set.rank()] = tensor
-        return name, process_set.rank()
-
-    def synchronize(self, handle):
-        name, rank = handle
-        sent = [self.sent[name, source] for source in range(self.n)]
-        if isinstance(sent[0], tuple):            # alltoall: every source's chunk for this rank
-            parts = [chunks[rank] for chunks in sent]
-            return torch.cat(parts), torch.tensor([p.numel() for p in parts], dtype=torch.int32,
-                                                  device="cpu")
-        self.gathered = torch.cat(sent)
-        return self.gathered
-
-    @contextlib.contextmanager
-    def installed(self):
-        saved, collective.hvd = collective.hvd, self
-        try:
-            yield
-        finally:
-            collective.hvd = saved
-
-
 class SimulatedRanks:
     """GIFT's per-step path for n ranks of one bucket, as GIFT._compress/_start/_second_stage/
     _result run it: TransformPlan.forward in place, a BucketReduction per rank whose stage-1
@@ -253,9 +217,7 @@ class SimulatedRanks:
         statistics = types.SimpleNamespace(whitening={"fc.weight": whitening})
         self.plan = TransformPlan(dict.fromkeys(shapes), transform, statistics,
                                   HadamardRotation(HADAMARD_BLOCK, codec.seed))
-        self.transport = Loopback(n)
-        self.process_sets = [types.SimpleNamespace(size=lambda: n, rank=lambda k=k: k)
-                             for k in range(n)]
+        self.comms = LocalGroup(n).communicators()
         self.residual1 = [[torch.zeros(math.prod(s), device=device) for s in shapes.values()]
                           for _ in range(n)]
         self.residual2 = [None] * n
@@ -268,18 +230,16 @@ class SimulatedRanks:
         reductions = []
         for k in range(self.n):
             if self.residual2[k] is None:
-                owned = owned_elements([f.numel() for f in flats[k]], self.process_sets[k],
-                                       self.codec.align)
+                owned = owned_elements([f.numel() for f in flats[k]], self.n, k, self.codec.align)
                 self.residual2[k] = torch.zeros(owned, device=self.device)
             reductions.append(BucketReduction("gpu_check", flats[k], self.codec,
-                                              self.process_sets[k], self.residual1[k],
+                                              self.comms[k], self.residual1[k],
                                               self.residual2[k], average=True, step=step))
-        with self.transport.installed():
-            for reduction in reductions:
-                reduction.start()
-            for reduction in reductions:
-                reduction.exchange()
-            return [reduction.finish(over_inputs=True) for reduction in reductions]
+        for reduction in reductions:
+            reduction.start()
+        for reduction in reductions:
+            reduction.exchange()
+        return [reduction.finish(over_inputs=True) for reduction in reductions]
 
     def inverse(self, reduced):
         return [[self.plan.inverse(name, u, in_place=True).view(shape)

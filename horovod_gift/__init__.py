@@ -1,21 +1,18 @@
-"""horovod-gift: low-precision (FP8 / NVFP4) gradient communication for Horovod + PyTorch."""
+"""horovod-gift: low-precision (FP8 / NVFP4) gradient communication for Horovod + PyTorch.
+
+The codec (formats, collective, transforms, ...) imports no engine; `GIFT` and `allreduce`, the
+Horovod frontend, import horovod.torch when first used.
+"""
 
 __version__ = "0.2.0"
 
-try:
-    import horovod.torch  # noqa: F401
-except ImportError as error:
-    raise ImportError(
-        "horovod_gift needs horovod.torch (Horovod built with PyTorch support): install Horovod "
-        "0.28.1 first (on a fresh machine `make setup` builds it), then `pip install .`"
-    ) from error
-
 from .config import FORMATS, ROUNDINGS, use_kernels
-from .collective import allreduce
-from .compression import GIFT
 from .formats import Encoded, decode, encode
 from .geometry import InputWhitening
 from .rotation import HadamardRotation
+
+# name -> module of the Horovod frontend (imported on first use)
+_HOROVOD_NAMES = {"GIFT": "compression", "allreduce": "horovod_frontend"}
 
 __all__ = [
     "__version__",
@@ -30,3 +27,19 @@ __all__ = [
     "HadamardRotation",
     "InputWhitening",
 ]
+
+
+def __getattr__(name):
+    if name not in _HOROVOD_NAMES:
+        raise AttributeError(f"module 'horovod_gift' has no attribute {name!r}")
+    try:
+        import horovod.torch  # noqa: F401
+    except ImportError as error:
+        raise ImportError(
+            f"horovod_gift.{name} needs horovod.torch (Horovod built with PyTorch support): "
+            "install Horovod 0.28.1 first (on a fresh machine `make setup` builds it), then "
+            "`pip install .`; the codec (horovod_gift.formats, .collective) works without it"
+        ) from error
+    import importlib
+
+    return getattr(importlib.import_module(f".{_HOROVOD_NAMES[name]}", __name__), name)

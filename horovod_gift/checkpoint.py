@@ -11,7 +11,6 @@ import hashlib
 
 from horovod_gift.kernels.hadamard import LANES
 
-from .collective import allgather_object
 from .feedback import ErrorFeedback
 from .telemetry import logger
 
@@ -38,7 +37,7 @@ class Checkpointing:
         """This rank's residuals and statistics histories, if they were saved on a job of this
         size by this rank; otherwise they restart at zero (with a warning)."""
         self._pending_rank_state = False
-        n, me = self.process_set.size(), self.process_set.rank()
+        n, me = self.comm.size, self.comm.rank
         if saved is None or (saved["ranks"], saved["rank"]) != (n, me):
             self.reset_rank_state()
             why = ("it has no per-rank state" if saved is None else
@@ -68,8 +67,7 @@ class Checkpointing:
     def _check_ranks_agree(self):
         """Collective, at the first step and the first after load_state_dict: every rank raises
         the same error if the configuration, the model's parameters or the step count differ."""
-        configs = allgather_object(dict(self.config(), step=self.step), "gift.config",
-                                   self.process_set)
+        configs = self.comm.allgather_object(dict(self.config(), step=self.step), "gift.config")
         if all(c == configs[0] for c in configs):
             return
         diff = sorted({k for c in configs for k in c if c.get(k) != configs[0].get(k)})
@@ -93,7 +91,7 @@ class Checkpointing:
             state["rank_state"] = self._pending_rank_state   # loaded, not applied yet
         elif rank_state:
             state["rank_state"] = {
-                "rank": self.process_set.rank(), "ranks": self.process_set.size(),
+                "rank": self.comm.rank, "ranks": self.comm.size,
                 "feedback": (self.feedback.state_dict() if self.feedback
                              else ErrorFeedback.empty_state()),
                 "statistics": self.statistics.local_state_dict(),

@@ -6,20 +6,25 @@ For a bucket of flat fp32 tensors u_1..u_m (already in the transformed space) on
      chunk k's bytes to rank k: one alltoall of uint8 (a reduce-scatter).
   2. The owner decodes the n payloads of each piece and sums them in fp32 in rank order 0..n-1
      (an average divides by n), adds its stage-2 residual r2, quantizes again, and the owners'
-     bytes go to every rank: one allgather of uint8.
+     bytes go to every rank: one allgather of uint8, every owner's slot padded to the largest
+     chunk's bytes (an allgather of one size is one collective, not n broadcasts).
   3. Every rank decodes the same bytes with the same scales: results are bit-identical.
 No FP8 arithmetic sums (no overflow), and no scale is ever local to one rank (no drift). Each
 piece has its own scales, so a non-finite tensor poisons only itself.
 Bytes sent per rank: 2 (n-1)/n * elements * bits/8 plus the scales.
+
+The collectives go through a Communicator (communicator.py): this module imports no engine.
+A bucket's layout (its pieces, their payload offsets, the alltoall's splits) is computed once
+per (tensor sizes, ranks, codec) and cached: nothing here is recomputed per step.
 """
 
-import pickle
+import functools
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import horovod.torch as hvd
 
 from horovod_gift.kernels.fp8 import FORMATS as FP8_FORMATS
 from horovod_gift.kernels.nvfp4 import TENSOR_SCALE_DIVISOR
@@ -73,11 +78,10 @@ class Codec:
 
     def reduce_encode(self, payloads, m, divisor, residual=None, seed=0, sum_out=None, out=None):
         """The payload (into out, as in encode) of the fp32 sum of the payloads of an m-element
-        piece (in their order) divided by divisor, encoded with residual as encode does;
-        sum_out: m fp32 elements of workspace for the sum."""
-        pieces = [self.split(p, m) for p in payloads]
-        tensor_scales = None if pieces[0][2] is None else torch.cat([p[2] for p in pieces])
-        codes, scales = (torch.stack([p[k] for p in pieces]) for k in (0, 1))
+        piece (the rows of payloads, uint8 (k, payload_bytes(m)), in their order) divided by
+        divisor, encoded with residual as encode does; sum_out: m fp32 elements of workspace
+        for the sum."""
+        codes, scales, tensor_scales = self.split_rows(payloads, m)
         stochastic = self.rounding == "stochastic"
         payload = self._payload(m, codes.device, out)
         return self._with_fp32_residual(
@@ -128,6 +132,16 @@ class Codec:
             return codes, payload[c : c + s], payload[c + s : c + s + t].clone().view(torch.float32)
         return codes, payload[c : c + s].clone().view(torch.float32), None
 
+    def split_rows(self, payloads, m):
+        """split() of every row of payloads (k, payload_bytes(m)): codes (k, c), scales (k, ...)
+        and NVFP4's tensor scales (k,), or None."""
+        c, s, t = self.layout(m)
+        codes = payloads[:, :c]
+        if self.format == "nvfp4":
+            tensor_scales = payloads[:, c + s : c + s + t].contiguous().view(torch.float32)
+            return codes, payloads[:, c : c + s], tensor_scales.reshape(-1)
+        return codes, payloads[:, c : c + s].contiguous().view(torch.float32), None
+
     def amax_bound(self, payload, m):
         """The largest magnitude the payload's m-element piece held, to within rounding, read
         from its scales (a one-element fp32 tensor on the payload's device, no host sync); not
@@ -164,24 +178,76 @@ def chunk_bounds(total, n, align):
 def bucket_pieces(sizes, n, align):
     """For each of n chunks of a bucket of tensors with these sizes: the (tensor index, lo, hi)
     pieces it holds, in that tensor's own coordinates."""
-    offsets = [0]
-    for size in sizes:
-        offsets.append(offsets[-1] + size)
-    return [
-        [
-            (i, max(start, offsets[i]) - offsets[i], min(end, offsets[i + 1]) - offsets[i])
-            for i in range(len(sizes))
-            if max(start, offsets[i]) < min(end, offsets[i + 1])
-        ]
-        for start, end in chunk_bounds(offsets[-1], n, align)
-    ]
+    return BucketLayout.of(tuple(sizes), n, align).pieces
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A tensor's part of a chunk: flat[tensor][lo:hi], whose payload is bytes [start, end) of
+    its chunk's payload."""
+    tensor: int
+    lo: int
+    hi: int
+    start: int
+    end: int
+
+
+class BucketLayout:
+    """Where every piece of a bucket lies, for n ranks and one codec (its payload sizes), made
+    once and cached (BucketLayout.of): chunk k's pieces, each chunk's payload bytes (the
+    alltoall's splits), and the allgather's slot (the largest chunk's bytes)."""
+
+    def __init__(self, sizes, n, align, codec=None):
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + size)
+        self.sizes, self.n = sizes, n
+        self.pieces = []        # per chunk: (tensor index, lo, hi)
+        for start, end in chunk_bounds(offsets[-1], n, align):
+            # the tensors overlapping [start, end): a scan from the first that ends after start
+            first = next((i for i in range(len(sizes)) if offsets[i + 1] > start), len(sizes))
+            chunk = []
+            for i in range(first, len(sizes)):
+                if offsets[i] >= end:
+                    break
+                lo, hi = max(start, offsets[i]) - offsets[i], min(end, offsets[i + 1]) - offsets[i]
+                if lo < hi:
+                    chunk.append((i, lo, hi))
+            self.pieces.append(chunk)
+        self.owned = [sum(hi - lo for _, lo, hi in chunk) for chunk in self.pieces]
+        if codec is None:
+            return
+        self.chunks = []        # per chunk: its Pieces with payload offsets
+        for chunk in self.pieces:
+            placed, position = [], 0
+            for i, lo, hi in chunk:
+                size = codec.payload_bytes(hi - lo)
+                placed.append(Piece(i, lo, hi, position, position + size))
+                position += size
+            self.chunks.append(placed)
+        self.chunk_bytes = [chunk[-1].end if chunk else 0 for chunk in self.chunks]
+        self.chunk_starts = [0]
+        for size in self.chunk_bytes:
+            self.chunk_starts.append(self.chunk_starts[-1] + size)
+        # Horovod reads the splits on the host, whatever the payload's device
+        self.splits = torch.tensor(self.chunk_bytes, dtype=torch.int32, device="cpu")
+        self.slot = max(self.chunk_bytes)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=4096)
+    def of(sizes, n, align, codec=None):
+        return BucketLayout(sizes, n, align, codec)
 
 
 def fill_buckets(names, sizes, bucket_elements):
-    """Consecutive names grouped into buckets of at most bucket_elements elements (a larger tensor
-    is a bucket of its own)."""
+    """Consecutive names grouped into buckets of at most bucket_elements elements. A tensor
+    larger than that is a bucket of its own; the small tensors around it go on filling the
+    current bucket (without it, each large tensor would close a bucket of a few small ones)."""
     buckets, current, filled = [], [], 0
     for n in names:
+        if sizes[n] > bucket_elements:
+            buckets.append([n])
+            continue
         if current and filled + sizes[n] > bucket_elements:
             buckets.append(current)
             current, filled = [], 0
@@ -190,10 +256,9 @@ def fill_buckets(names, sizes, bucket_elements):
     return buckets + ([current] if current else [])
 
 
-def owned_elements(sizes, process_set, align):
-    """How many elements of a bucket of tensors with these sizes this rank owns (its chunk)."""
-    pieces = bucket_pieces(sizes, process_set.size(), align)[process_set.rank()]
-    return sum(hi - lo for _, lo, hi in pieces)
+def owned_elements(sizes, n, rank, align):
+    """How many elements of a bucket of tensors with these sizes rank owns (its chunk) of n."""
+    return BucketLayout.of(tuple(sizes), n, align).owned[rank]
 
 
 def mix_seed(*values):
@@ -202,40 +267,35 @@ def mix_seed(*values):
     return hash(tuple(values)) & 0x7FFFFFFF
 
 
-class BucketReduction:
-    """One quantized reduction of a list of flat fp32 tensors: start() -> exchange() -> finish()."""
+def name_key(name):
+    """An integer for a name, the same in every process (str hashes are salted)."""
+    return zlib.crc32(name.encode())
 
-    def __init__(
-        self,
-        name,
-        flats,
-        codec,
-        process_set=hvd.global_process_set,
-        residual1=None,
-        residual2=None,
-        average=True,
-        step=0,
-        maxima=None,
-    ):
-        self.name, self.flats, self.codec, self.process_set = name, flats, codec, process_set
-        self.residual1, self.residual2, self.average, self.step = (
-            residual1,
-            residual2,
-            average,
-            step,
-        )
+
+class BucketReduction:
+    """One quantized reduction of a list of flat fp32 tensors over comm (a Communicator):
+    start() -> exchange() -> finish(). key: an integer naming the bucket in the stochastic
+    rounding's seeds (every bucket draws its own noise)."""
+
+    def __init__(self, name, flats, codec, comm, residual1=None, residual2=None, average=True,
+                 step=0, maxima=None, key=0):
+        self.name, self.flats, self.codec, self.comm = name, flats, codec, comm
+        self.residual1, self.residual2, self.average = residual1, residual2, average
+        self.step, self.key = step, key
         # per flat, None or its pieces' largest magnitude_bits: the flat then holds u + r1
         # (TransformPlan.forward_folded), and r1 is only written
         self.maxima = maxima or [None] * len(flats)
-        self.n, self.rank = process_set.size(), process_set.rank()
-        self.pieces = bucket_pieces([f.numel() for f in flats], self.n, codec.align)
+        self.n, self.rank = comm.size, comm.rank
+        self.layout = BucketLayout.of(tuple(f.numel() for f in flats), self.n, codec.align, codec)
+        self.pieces = self.layout.pieces
         self.bytes_sent = 0
-        self.wait_seconds = 0.0  # blocked in hvd.synchronize
+        self.wait_seconds = 0.0  # blocked waiting for the communicator
         self.amax_bounds = []  # Codec.amax_bound of each piece encoded with a residual
+        self.stage = 0          # 1: the alltoall is in flight; 2: the allgather
 
     def _wait(self, handle):
         t0 = time.perf_counter()
-        out = hvd.synchronize(handle)
+        out = handle.wait()
         self.wait_seconds += time.perf_counter() - t0
         return out
 
@@ -245,61 +305,57 @@ class BucketReduction:
         return payload
 
     def start(self):
-        sizes = [[self.codec.payload_bytes(hi - lo) for _, lo, hi in chunk]
-                 for chunk in self.pieces]
-        send = torch.empty(sum(map(sum, sizes)), dtype=torch.uint8, device=self.flats[0].device)
-        position, encoded = 0, [0] * len(self.flats)   # pieces of each flat so far
-        for k, chunk in enumerate(self.pieces):
-            for (i, lo, hi), size in zip(chunk, sizes[k]):
+        layout = self.layout
+        send = torch.empty(layout.chunk_starts[-1], dtype=torch.uint8, device=self.flats[0].device)
+        encoded = [0] * len(self.flats)   # pieces of each flat so far
+        for k, chunk in enumerate(layout.chunks):
+            base = layout.chunk_starts[k]
+            for piece in chunk:
+                i, lo, hi = piece.tensor, piece.lo, piece.hi
                 residual = None if self.residual1 is None else self.residual1[i][lo:hi]
                 maxima = self.maxima[i]
                 payload = self.codec.encode(
                     self.flats[i][lo:hi],
                     residual,
-                    mix_seed(self.codec.seed, self.step, self.rank, k, i, 1),
+                    mix_seed(self.codec.seed, self.step, self.rank, self.key, k, i, 1),
                     folded_bits=None if maxima is None else int(maxima[encoded[i]]),
-                    out=send[position : position + size],
+                    out=send[base + piece.start : base + piece.end],
                 )
                 encoded[i] += 1
-                position += size
                 self._bound(payload, hi - lo, residual)
-        # Horovod reads the splits on the host, whatever the payload's device
-        splits = torch.tensor([sum(s) for s in sizes], dtype=torch.int32, device="cpu")
-        self.bytes_sent += int(splits.sum()) - int(splits[self.rank])
-        self._handle = hvd.alltoall_async(
-            send,
-            splits=splits,
-            name=f"{self.name}.reduce_scatter",
-            process_set=self.process_set,
-        )
+        self.bytes_sent += layout.chunk_starts[-1] - layout.chunk_bytes[self.rank]
+        self._handle = self.comm.alltoall_async(send, layout.splits, f"{self.name}.reduce_scatter")
+        self.stage = 1
         return self
 
+    def ready(self):
+        """True when the step's next call (exchange() in stage 1) would not wait."""
+        return self._handle.poll()
+
     def exchange(self):
-        received, received_splits = self._wait(self._handle)
-        sources = torch.split(received, received_splits.tolist())
-        mine = self.pieces[self.rank]
-        sizes = [self.codec.payload_bytes(hi - lo) for _, lo, hi in mine]
-        out = torch.empty(sum(sizes), dtype=torch.uint8, device=received.device)
-        offset, position = 0, 0
-        for (i, lo, hi), size in zip(mine, sizes):
-            m = hi - lo
+        received, _ = self._wait(self._handle)
+        sources = received.view(self.n, -1)     # every rank sent this rank's chunk: one size
+        mine, slot = self.layout.chunks[self.rank], self.layout.slot
+        out = torch.empty(slot, dtype=torch.uint8, device=received.device)
+        out[self.layout.chunk_bytes[self.rank]:] = 0     # the padding: the same bytes everywhere
+        offset = 0
+        for piece in mine:
+            i, m = piece.tensor, piece.hi - piece.lo
             residual = None if self.residual2 is None else self.residual2[offset : offset + m]
             payload = self.codec.reduce_encode(
-                [src[position : position + size] for src in sources],
+                sources[:, piece.start : piece.end],
                 m,
                 self.n if self.average else 1,
                 residual,
-                mix_seed(self.codec.seed, self.step, self.rank, i, 2),
+                mix_seed(self.codec.seed, self.step, self.rank, self.key, i, 2),
                 sum_out=workspace(m, received.device, "sum"),
-                out=out[position : position + size],
+                out=out[piece.start : piece.end],
             )
             self._bound(payload, m, residual)
             offset += m
-            position += size
-        self.bytes_sent += out.numel() * (self.n - 1)
-        self._handle = hvd.allgather_async(
-            out, name=f"{self.name}.allgather", process_set=self.process_set
-        )
+        self.bytes_sent += slot * (self.n - 1)
+        self._handle = self.comm.allgather_async(out, f"{self.name}.allgather")
+        self.stage = 2
         return self
 
     def finish(self, over_inputs=False):
@@ -307,52 +363,10 @@ class BucketReduction:
         input tensors, whose values start() has sent, instead of new ones: on CPU a new tensor of
         over 32 MB costs a page fault per 4 KB (finish() of a 2**24-element tensor on 2 ranks:
         80 -> 28 ms)."""
-        gathered = self._wait(self._handle)
+        gathered = self._wait(self._handle).view(self.n, -1)
         out = self.flats if over_inputs else [torch.empty_like(f) for f in self.flats]
-        position = 0
-        for chunk in self.pieces:
-            for i, lo, hi in chunk:
-                size = self.codec.payload_bytes(hi - lo)
-                self.codec.decode(gathered[position : position + size], hi - lo, out=out[i][lo:hi])
-                position += size
+        for k, chunk in enumerate(self.layout.chunks):
+            for piece in chunk:
+                self.codec.decode(gathered[k, piece.start : piece.end], piece.hi - piece.lo,
+                                  out=out[piece.tensor][piece.lo : piece.hi])
         return out
-
-
-def allreduce(
-    tensor,
-    name,
-    format="fp8_e4m3",
-    op=None,
-    block_size=None,
-    rounding="nearest",
-    seed=0,
-    process_set=hvd.global_process_set,
-):
-    """Average (op=hvd.Average, the default) or sum (hvd.Sum) `tensor` over the ranks through the
-    quantized path, without transform or error feedback. Returns a new tensor of tensor's dtype,
-    bit-identical on every rank."""
-    op = hvd.Average if op is None else op
-    if op not in (hvd.Average, hvd.Sum):
-        raise ValueError(f"gift.allreduce({name!r}): op must be hvd.Average or hvd.Sum")
-    if not tensor.is_floating_point():
-        raise TypeError(
-            f"gift.allreduce({name!r}): expected a floating-point tensor, got {tensor.dtype}"
-        )
-    codec = Codec(format, block_size, rounding, seed)
-    flat = tensor.detach().reshape(-1).to(torch.float32).contiguous()
-    reduction = BucketReduction(
-        f"gift.allreduce.{name}", [flat], codec, process_set, average=op == hvd.Average
-    )
-    (result,) = reduction.start().exchange().finish()
-    return result.view(tensor.shape).to(tensor.dtype)
-
-
-def allgather_object(obj, name, process_set=hvd.global_process_set):
-    """Every rank's picklable obj, in rank order (hvd.allgather_object has no process_set in
-    0.28)."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)  # on the host
-    sizes = hvd.allgather(
-        torch.tensor([data.numel()], device="cpu"), name=f"{name}.sizes", process_set=process_set
-    )
-    gathered = hvd.allgather(data, name=f"{name}.data", process_set=process_set)
-    return [pickle.loads(part.numpy().tobytes()) for part in torch.split(gathered, sizes.tolist())]

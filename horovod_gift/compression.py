@@ -12,13 +12,15 @@ synchronize()):
                               with error feedback on both quantization stages
     g_avg = T^{-1}(avg(u))    identical bytes, scales and T on every rank: bit-identical result
 compress returns a one-element placeholder for Horovod's own allreduce and launches the bucket's
-first stage once all its members are in; the first decompress of a step puts every bucket's
-second stage in flight together. Tensors under `min_elements`, sparse gradients and steps in
+first stage once all its members are in; each later compress starts the second stage of every
+bucket whose first stage has arrived (never waiting), and the first decompress of a step those
+of the rest. Tensors under `min_elements`, sparse gradients and steps in
 which a rank has called hvd.join() take Horovod's own fp32 reduction.
 """
 import functools
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +29,7 @@ from horovod.torch.compression import Compressor
 from torch.profiler import record_function
 
 from . import horovod_internals as internals
+from .horovod_frontend import HorovodCommunicator
 from .checkpoint import Checkpointing
 from .collective import BucketReduction, Codec, fill_buckets, owned_elements
 from .config import check_codec
@@ -52,6 +55,7 @@ class StepState:
     maxima: dict = field(default_factory=dict)       # name -> its pieces' amax bits, if folded
     shapes: dict = field(default_factory=dict)       # name -> (shape, dtype) of the gradient
     reductions: dict = field(default_factory=dict)   # bucket -> BucketReduction in flight
+    arriving: deque = field(default_factory=deque)   # reductions whose alltoall is in flight
     results: dict = field(default_factory=dict)      # bucket -> {name: reduced flat u}
     exchanged: bool = False               # every bucket's second stage is in flight
 
@@ -152,6 +156,7 @@ class GIFT(Checkpointing, Compressor):
         self.min_elements, self.verbose, self.residual_dtype = min_elements, verbose, residual_dtype
         self.requested_process_set = process_set
         self.process_set = process_set or hvd.global_process_set
+        self.comm = HorovodCommunicator(self.process_set)
         self.average = True             # op=hvd.Average; hvd.Sum sets it False
         self._optimizer = None          # weak reference to the Horovod optimizer served
         # Parameters frozen now and trained later take an fp32 path: buckets must not wait for them.
@@ -164,7 +169,7 @@ class GIFT(Checkpointing, Compressor):
         whitenable = ({n: self.params[n] for n in compressed}
                       if transform in WHITENING_TRANSFORMS else {})
         self.statistics = WhiteningStatistics(model, whitenable, whitening_rank, damping,
-                                              refresh_every, stat_window, self.process_set)
+                                              refresh_every, stat_window, self.comm)
         self.plan = TransformPlan(self.params, transform, self.statistics, rotation)
         self.buckets = fill_buckets(compressed, {n: self.params[n].numel() for n in compressed},
                                      bucket_elements)
@@ -212,12 +217,13 @@ class GIFT(Checkpointing, Compressor):
             return
         serving = (self.process_set, self.average) if self._optimizer is not None else None
         internals.check_optimizer(optimizer, self.requested_process_set, serving)
-        self.process_set = self.statistics.process_set = optimizer.process_set
+        self.process_set = optimizer.process_set
+        self.comm = self.statistics.comm = HorovodCommunicator(self.process_set)
         self.average = optimizer.op == hvd.Average
         self._optimizer = weakref.ref(optimizer)
 
     def _compress(self, tensor):
-        name = self.grad_names(tensor)
+        name = self.grad_names(tensor, lambda: internals.densified_parameter(self))
         if not self.current.in_step:
             self._begin_step(tensor.device)
         self.current.outstanding += 1
@@ -227,17 +233,19 @@ class GIFT(Checkpointing, Compressor):
             self.telemetry.add(uncompressed_elements=tensor.numel(),
                                payload_bytes=4 * tensor.numel())
             plain = tensor if tensor.dtype in HOROVOD_DTYPES else tensor.to(torch.float32)
+            self._progress()
             return plain, ("plain", name, tensor.dtype)
         self.plan.record(name, tensor, self.codec)
         if self.feedback and self.feedback.dtype == torch.float32 and self.plan.folds(name, tensor):
             self.current.u[name], self.current.maxima[name] = self.plan.forward_folded(
-                name, tensor, *self.feedback.residual_pieces(name, self.process_set.size()))
+                name, tensor, *self.feedback.residual_pieces(name, self.comm.size))
         else:
             self.current.u[name] = self.plan.forward(name, tensor, in_place=True)
         self.current.shapes[name] = (tensor.shape, tensor.dtype)
         bucket = self.bucket_of[name]
         if all(n in self.current.u for n in self.buckets[bucket]):
             self._start(bucket)
+        self._progress()
         # on the gradient's device: Horovod's grouped allreduce (groups=) wants one device a group
         return torch.zeros(1, device=tensor.device), ("gift", name, tensor.dtype)
 
@@ -266,7 +274,7 @@ class GIFT(Checkpointing, Compressor):
         if self._pending_rank_state is not False:
             self._load_rank_state(self._pending_rank_state)
         t0 = time.perf_counter()
-        everyone, largest_step = internals.roll_call(self.process_set, self.step, device)
+        everyone, largest_step = internals.roll_call(self.comm, self.step, device)
         self.telemetry.add(wait_seconds=time.perf_counter() - t0)   # for the slowest rank
         self.current.joined = not everyone
         if self.current.joined:     # every tensor takes Horovod's fp32 path; nothing else runs
@@ -294,7 +302,7 @@ class GIFT(Checkpointing, Compressor):
                     name: functools.partial(self.plan.inverse, name, factors=old_factors)
                     for name, old_factors in self.statistics.refresh().items()})
         self.statistics.advance()
-        if self.step == 0 and self.verbose and self.process_set.rank() == 0:
+        if self.step == 0 and self.verbose and self.comm.rank == 0:
             logger.info("%s", self.describe())
 
     def _follow_grad_scaler(self):
@@ -315,18 +323,29 @@ class GIFT(Checkpointing, Compressor):
         residual1 = residual2 = None
         if self.feedback:
             residual1 = self.feedback.first_stage(names)
-            owned = owned_elements([f.numel() for f in flats], self.process_set, self.codec.align)
+            owned = owned_elements([f.numel() for f in flats], self.comm.size, self.comm.rank,
+                                   self.codec.align)
             residual2 = self.feedback.second_stage(bucket, owned, flats[0].device)
-        reduction = BucketReduction(f"gift.b{bucket}", flats, self.codec, self.process_set,
+        reduction = BucketReduction(f"gift.b{bucket}", flats, self.codec, self.comm,
                                     residual1, residual2, average=self.average, step=self.step,
-                                    maxima=[self.current.maxima.get(n) for n in names])
+                                    maxima=[self.current.maxima.get(n) for n in names],
+                                    key=bucket)
         self.current.reductions[bucket] = reduction.start()
+        self.current.arriving.append(reduction)
         self.telemetry.add(payload_bytes=sum(self.codec.payload_bytes(f.numel()) for f in flats))
 
     def _zeros(self, name, dtype):
         """A flat zero tensor of a parameter's size on that parameter's device."""
         p = self.params[name]
         return torch.zeros(p.numel(), dtype=dtype, device=p.device)
+
+    def _progress(self):
+        """Start the second stage of every bucket whose alltoall has arrived, oldest first,
+        without waiting for one that has not: called from each compress, so that stage 2 runs
+        inside backward and only the last buckets' is left when it ends."""
+        arriving = self.current.arriving
+        while arriving and arriving[0].ready():
+            arriving.popleft().exchange()
 
     def _second_stage(self):
         if self.current.exchanged:
@@ -335,8 +354,8 @@ class GIFT(Checkpointing, Compressor):
             members = self.buckets[bucket]
             if bucket not in self.current.reductions and any(n in self.current.u for n in members):
                 self._start(bucket)
-        for reduction in self.current.reductions.values():   # all second stages in flight together
-            reduction.exchange()
+        while self.current.arriving:       # the second stages not started during backward
+            self.current.arriving.popleft().exchange()
         self.plan.start_vote()
         self.current.exchanged = True
 
@@ -365,7 +384,7 @@ class GIFT(Checkpointing, Compressor):
                 self._change_transforms(self.plan.finish_vote)
         self.step += 1
         self.telemetry.end_step(self.step, lambda: self.plan.counts(self.bucket_of),
-                                self.process_set.rank() == 0)
+                                self.comm.rank == 0)
         self.plan.end_step()
         self._reset_step()
 
@@ -376,7 +395,7 @@ class GIFT(Checkpointing, Compressor):
         into stage 1 before (it lives in the old coordinates of a whole bucket), each changed
         tensor's stage 1 re-expressed in its new coordinates after."""
         if self.feedback:
-            self.feedback.fold(self.process_set, self.average)
+            self.feedback.fold(self.comm.size, self.comm.rank, self.average)
         for name, old_inverse in change().items():
             if self.feedback:
                 self.feedback.convert(name, old_inverse, functools.partial(self.plan.forward, name))

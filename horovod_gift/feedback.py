@@ -80,10 +80,9 @@ class ErrorFeedback:
             if not math.isfinite(total):
                 r.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
-    def fold(self, process_set, average):
-        """Move each owned r2 into the r1 of its parameters (times n for an average: stage 1 is
-        summed, then averaged), so both live in per-parameter coordinates."""
-        n, rank = process_set.size(), process_set.rank()
+    def fold(self, n, rank, average):
+        """Move each owned r2 (rank's of n) into the r1 of its parameters (times n for an
+        average: stage 1 is summed, then averaged), so both live in per-parameter coordinates."""
         scale = n if average else 1
         for bucket, r2 in self.stage2.items():
             names = self.buckets[bucket]

@@ -46,6 +46,20 @@ def calling_optimizer(compressor):
     return None
 
 
+def densified_parameter(compressor):
+    """The parameter whose sparse gradient Horovod densified (sparse_as_dense=True) and handed to
+    `compressor.compress` as `p.grad.to_dense()`, a new tensor: the `p` of the calling
+    _allreduce_grad_async, if its gradient is sparse; else None."""
+    # called through GradientNames on a miss: a few frames deeper than calling_optimizer
+    for frame in _frames(sys._getframe(2), 2 * SEARCH_DEPTH):
+        caller = frame.f_locals.get("self")
+        if caller is not None and getattr(caller, "_compression", None) is compressor:
+            p = frame.f_locals.get("p")
+            grad = getattr(p, "grad", None)
+            return p if grad is not None and grad.is_sparse else None
+    return None
+
+
 def is_adasum(optimizer):
     return hasattr(optimizer, "_starting_models")
 
@@ -115,17 +129,16 @@ def check_optimizer(optimizer, requested_process_set, serving):
                          "process set or op; make one GIFT per optimizer")
 
 
-def roll_call(process_set, step, device):
-    """(every rank of the set is in this step, the largest step count among them): one allreduce
-    of (present, step) per rank, to which a rank in hvd.join() contributes zeros. Ranks that
-    joined early come back with fewer steps; all take the largest count, so seeds, refreshes and
-    collective names stay in step. It lives on the gradients' device, where a joined rank makes
-    its zeros (hvd.join(device))."""
-    n, me = process_set.size(), process_set.rank()
-    roll = torch.zeros(2 * n, dtype=torch.float64, device=device)
-    roll[me], roll[n + me] = 1.0, float(step)
-    roll = hvd.allreduce(roll, op=hvd.Sum, name="gift.roll_call", process_set=process_set).tolist()
-    return all(present == 1 for present in roll[:n]), int(max(roll[n:]))
+def roll_call(comm, step, device):
+    """(every rank of the communicator is in this step, the largest step count among them): one
+    allreduce of two numbers with Min, (present, -step), to which a rank in hvd.join()
+    contributes zeros, so present's minimum is 0 if any rank joined. Ranks that joined early come
+    back with fewer steps; all take the largest count, so seeds, refreshes and collective names
+    stay in step. It lives on the gradients' device, where a joined rank makes its zeros
+    (hvd.join(device)); its size does not grow with the ranks."""
+    roll = torch.tensor([1.0, -float(step)], dtype=torch.float64, device=device)
+    present, negative_step = comm.allreduce(roll, "min", "gift.roll_call").tolist()
+    return present == 1, int(-negative_step)
 
 
 class GradientNames:
@@ -136,7 +149,9 @@ class GradientNames:
     def __init__(self, params):
         self.params, self._names = params, {}
 
-    def __call__(self, tensor):
+    def __call__(self, tensor, densified=lambda: None):
+        """densified(): the parameter whose sparse gradient tensor is a dense copy of, or None
+        (asked only when tensor is no parameter's .grad)."""
         name = self._names.get(id(tensor))
         if name is not None and self.params[name].grad is tensor:
             return name
@@ -144,10 +159,12 @@ class GradientNames:
         name = self._names.get(id(tensor))
         if name is not None:
             return name
+        p = densified()
+        if p is not None and p.grad.shape == tensor.shape and id(p.grad) in self._names:
+            return self._names[id(p.grad)]
         raise ValueError(f"GIFT.compress got a tensor of shape {tuple(tensor.shape)} that is not "
                          "the .grad of a parameter of the model given to GIFT(model); pass the "
-                         "same model's named_parameters() to hvd.DistributedOptimizer "
-                         "(sparse_as_dense is not supported)")
+                         "same model's named_parameters() to hvd.DistributedOptimizer")
 
 
 def sparse_gradient_parameters(model):

@@ -23,7 +23,6 @@ owners, so they are identical on every rank.
 import logging
 import weakref
 
-import horovod.torch as hvd
 import torch
 
 from .geometry import IDENTITY_FACTORS, InputWhitening
@@ -35,10 +34,10 @@ class WhiteningStatistics:
     refresh() turns the histories into factors. whitening maps every weight name to its
     InputWhitening (one object for the layers that share an input, once sharing is settled)."""
 
-    def __init__(self, model, params, rank, damping, refresh_every, window, process_set):
+    def __init__(self, model, params, rank, damping, refresh_every, window, comm):
         self.refresh_every, self.rank, self.damping = refresh_every, rank, damping
         self.window, self.decay = window, 1.0 - 1.0 / window
-        self.process_set = process_set     # may be replaced before the first refresh
+        self.comm = comm     # a Communicator; may be replaced before the first refresh
         self.whitening, self._modules, self._handles = {}, {}, []
         self._sums = {}          # owner -> this step's [sketch sums, tokens], activations' device
         self._history = {}       # owner -> EMA of earlier steps' sums (module docstring)
@@ -114,8 +113,7 @@ class WhiteningStatistics:
         # One max over ranks gives the largest owner index seen and (negated) the smallest.
         votes = torch.tensor(seen + [-i if i >= 0 else -len(names) for i in seen],
                              dtype=torch.int64, device="cpu")
-        votes = hvd.allreduce(votes, op=hvd.Max, name="gift.sharing",
-                              process_set=self.process_set).tolist()
+        votes = self.comm.allreduce(votes, "max", "gift.sharing").tolist()
         largest, smallest = votes[:len(names)], [-v for v in votes[len(names):]]
         if max(largest) < 0:
             return False
@@ -156,20 +154,18 @@ class WhiteningStatistics:
         if self._owner is None and not self._settle_sharing():
             return {}
         owners = sorted(set(self._owner.values()))
-        reductions = []
-        for owner in owners:
-            statistic = self.whitening[owner].statistic
-            history = self._history.get(owner)
-            if history is None:              # never run here: add nothing
-                history = torch.zeros(statistic.numel + 1, dtype=statistic.dtype,
-                                      device=self._modules[owner].weight.device)
-            # not in place: the history goes on decaying here
-            reductions.append(hvd.allreduce_async(history, op=hvd.Sum, name=f"gift.stats.{owner}",
-                                                  process_set=self.process_set))
-        n, me = self.process_set.size(), self.process_set.rank()
-        broadcasts = []
-        for i, (owner, handle) in enumerate(zip(owners, reductions)):
-            sums = hvd.synchronize(handle)
+        device = self._modules[owners[0]].weight.device
+        lengths = [self.whitening[owner].statistic.numel + 1 for owner in owners]
+        # every history in one allreduce, one name (a name per layer would thrash engines'
+        # response caches at 8B shapes); never run here: add nothing (zeros)
+        histories = [self._history[owner].to(device) if owner in self._history
+                     else torch.zeros(length, dtype=torch.float32, device=device)
+                     for owner, length in zip(owners, lengths)]
+        # not in place: the histories go on decaying here
+        summed = self.comm.allreduce(torch.cat(histories), "sum", "gift.stats")
+        n, me = self.comm.size, self.comm.rank
+        factors = {}            # root rank -> [(owner, flat factors)], broadcast by that root
+        for i, (owner, sums) in enumerate(zip(owners, torch.split(summed, lengths))):
             tokens, w = float(sums[-1]), self.whitening[owner]
             if tokens == 0:
                 continue
@@ -181,16 +177,22 @@ class WhiteningStatistics:
                     "(the factors stay as they were)", owner)
                 continue
             root = i % n
-            w.fold(sums[:-1].div_(tokens), refresh=False)
-            flat = (_factors_or_nan(w, sums.device) if root == me
-                    else torch.empty(w.factor_numel(), dtype=torch.float32, device=sums.device))
-            global_root = self.process_set.ranks[root] if self.process_set.ranks else root
-            broadcasts.append((owner, hvd.broadcast_async_(flat, root_rank=global_root,
-                                                           name=f"gift.factors.{owner}",
-                                                           process_set=self.process_set)))
+            w.fold(sums[:-1].div(tokens), refresh=False)
+            flat = (_factors_or_nan(w, device) if root == me
+                    else torch.empty(w.factor_numel(), dtype=torch.float32, device=device))
+            factors.setdefault(root, []).append((owner, flat))
+        # one broadcast per computing rank: at most min(ranks, statistics) names
+        handles = [(root, self.comm.broadcast_async_(torch.cat([f for _, f in group]), root,
+                                                     f"gift.factors.{root}"))
+                   for root, group in sorted(factors.items())]
+        broadcasts = []
+        for root, handle in handles:
+            group = factors[root]
+            parts = torch.split(handle.wait(), [f.numel() for _, f in group])
+            broadcasts.extend((owner, part) for (owner, _), part in zip(group, parts))
         changed, failed = {}, []
-        for owner, handle in broadcasts:
-            w, flat = self.whitening[owner], hvd.synchronize(handle)
+        for owner, flat in broadcasts:
+            w = self.whitening[owner]
             if not torch.isfinite(flat).all():        # the same verdict on every rank
                 failed.append(owner)
                 continue

@@ -12,7 +12,6 @@ get. The GIFT class docstring says when to use which (benchmarks/results/fidelit
 import functools
 
 import torch
-import horovod.torch as hvd
 
 from .config import runs_native
 
@@ -111,12 +110,8 @@ class TransformPlan:
             names = sorted(self._errors)
             self._vote = (
                 names,
-                hvd.allreduce_async(
-                    torch.stack([self._errors[n] for n in names]),
-                    op=hvd.Sum,
-                    name="gift.auto",
-                    process_set=self.statistics.process_set,
-                ),
+                self.statistics.comm.allreduce_async(
+                    torch.stack([self._errors[n] for n in names]), "sum", "gift.auto"),
             )
 
     def finish_vote(self):
@@ -125,7 +120,7 @@ class TransformPlan:
         if self._vote is None:
             return {}
         names, handle = self._vote
-        totals = hvd.synchronize(handle).nan_to_num(nan=float("inf"))
+        totals = handle.wait().nan_to_num(nan=float("inf"))
         old_inverses = {}
         for name, total in zip(names, totals):
             candidates = self.candidates(name)

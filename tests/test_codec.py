@@ -228,9 +228,10 @@ def test_encode_into_a_slice_of_a_send_buffer(backend, fmt, block):
         buffer = torch.full((size + 11,), 0xA5, dtype=torch.uint8)
         written = codec.encode(x, torch.zeros(m), out=buffer[5 : 5 + size])
         assert written.data_ptr() == buffer[5:].data_ptr()
-        summed = codec.reduce_encode([alone, alone], m, 2, torch.zeros(m))
+        summed = codec.reduce_encode(torch.stack([alone, alone]), m, 2, torch.zeros(m))
         buffer2 = torch.full((size + 11,), 0xA5, dtype=torch.uint8)
-        codec.reduce_encode([alone, alone], m, 2, torch.zeros(m), out=buffer2[3 : 3 + size])
+        codec.reduce_encode(torch.stack([alone, alone]), m, 2, torch.zeros(m),
+                            out=buffer2[3 : 3 + size])
         with pytest.raises(ValueError, match=f"out must be {size} contiguous uint8"):
             codec.encode(x, out=buffer[:size - 1])
     assert torch.equal(buffer[5 : 5 + size], alone)

@@ -1,0 +1,145 @@
+"""The collectives GIFT's engine-neutral core uses, as a small interface an engine implements.
+
+The codec, the buckets (collective.py), error feedback, transforms, statistics and checkpoints
+talk only to a Communicator; a frontend (horovod_frontend.HorovodCommunicator today, DDP and
+FSDP next) maps it onto its engine. Every call is collective over the communicator's ranks,
+matched by `name` (a fixed, small set of names reused every step: engines cache by name).
+
+    handle = comm.alltoall_async(send, splits, "b3.reduce_scatter")
+    if handle.poll(): received, received_splits = handle.wait()
+
+Ranks are the communicator's own (0 .. size - 1), also for a broadcast's root.
+"""
+import pickle
+from abc import ABC, abstractmethod
+
+import torch
+
+OPS = ("sum", "max", "min")
+
+
+class Handle(ABC):
+    """An operation in flight."""
+
+    @abstractmethod
+    def poll(self):
+        """True once wait() would return without blocking."""
+
+    @abstractmethod
+    def wait(self):
+        """The operation's result (see the Communicator method that made it)."""
+
+
+class Done(Handle):
+    """A handle whose result is already there."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def poll(self):
+        return True
+
+    def wait(self):
+        return self.result
+
+
+class Communicator(ABC):
+    """size: the number of ranks; rank: this one's, 0 .. size - 1."""
+
+    size: int
+    rank: int
+
+    @abstractmethod
+    def alltoall_async(self, tensor, splits, name):
+        """Send tensor's split j (splits: int32 CPU tensor of size elements, in order) to rank j.
+        wait(): (the received splits concatenated in rank order, their sizes as a CPU tensor)."""
+
+    @abstractmethod
+    def allgather_async(self, tensor, name):
+        """Every rank's tensor, all of one size, concatenated in rank order (wait())."""
+
+    @abstractmethod
+    def allreduce_async(self, tensor, op, name):
+        """The elementwise op ("sum", "max" or "min") of every rank's tensor (wait())."""
+
+    @abstractmethod
+    def broadcast_async_(self, tensor, root, name):
+        """tensor overwritten with rank root's; wait() returns it."""
+
+    def describe(self):
+        """How errors name this group of ranks."""
+        return f"{self.size} ranks"
+
+    def allreduce(self, tensor, op, name):
+        return self.allreduce_async(tensor, op, name).wait()
+
+    def allgather_object(self, obj, name):
+        """Every rank's picklable obj, in rank order: sizes first, then the bytes padded to the
+        largest (an allgather of one size; host tensors)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = self.allgather_async(torch.tensor([data.numel()], dtype=torch.int64, device="cpu"),
+                                     f"{name}.sizes").wait().tolist()
+        padded = torch.zeros(max(sizes), dtype=torch.uint8, device="cpu")
+        padded[: data.numel()] = data
+        gathered = self.allgather_async(padded, f"{name}.data").wait().view(self.size, -1)
+        return [pickle.loads(row[:size].numpy().tobytes()) for row, size in zip(gathered, sizes)]
+
+
+class LocalGroup:
+    """n ranks in one process, each a LocalCommunicator (communicators()): for tests and
+    simulations that drive every rank from one thread. A rank's wait() needs every rank's call
+    of that collective first; received tensors are new, as from a network."""
+
+    def __init__(self, n):
+        self.n, self.sent = n, {}
+
+    def communicators(self):
+        return [LocalCommunicator(self, rank) for rank in range(self.n)]
+
+    def post(self, name, rank, value, combine):
+        self.sent[name, rank] = value
+        return LocalHandle(self, name, combine)
+
+
+class LocalHandle(Handle):
+    def __init__(self, group, name, combine):
+        self.group, self.name, self.combine = group, name, combine
+
+    def poll(self):
+        return all((self.name, k) in self.group.sent for k in range(self.group.n))
+
+    def wait(self):
+        if not self.poll():
+            raise RuntimeError(f"LocalGroup: {self.name} waited on before every rank called it")
+        return self.combine([self.group.sent[self.name, k] for k in range(self.group.n)])
+
+
+class LocalCommunicator(Communicator):
+    """Rank `rank` of a LocalGroup."""
+
+    def __init__(self, group, rank):
+        self.group, self.size, self.rank = group, group.n, rank
+
+    def alltoall_async(self, tensor, splits, name):
+        def combine(sent):          # every source's split for this rank
+            parts = [chunks[self.rank] for chunks in sent]
+            return (torch.cat(parts),
+                    torch.tensor([p.numel() for p in parts], dtype=torch.int32, device="cpu"))
+        return self.group.post(name, self.rank, torch.split(tensor, splits.tolist()), combine)
+
+    def allgather_async(self, tensor, name):
+        return self.group.post(name, self.rank, tensor.clone(), torch.cat)
+
+    def allreduce_async(self, tensor, op, name):
+        def combine(sent):
+            total = sent[0].clone()
+            for value in sent[1:]:  # in rank order, as every rank sees it
+                total = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[op](
+                    total, value)
+            return total
+        return self.group.post(name, self.rank, tensor.clone(), combine)
+
+    def broadcast_async_(self, tensor, root, name):
+        def combine(sent):
+            return tensor.copy_(sent[root])
+        return self.group.post(name, self.rank, tensor.clone(), combine)

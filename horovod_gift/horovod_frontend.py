@@ -1,0 +1,81 @@
+"""Horovod as GIFT's engine: the Communicator (communicator.py) over a Horovod process set, and
+the quantized allreduce of one tensor. The GIFT compressor (compression.py) is the frontend
+Horovod's DistributedOptimizer calls."""
+import horovod.torch as hvd
+import torch
+
+from .collective import BucketReduction, Codec, name_key
+from .communicator import Communicator, Handle
+
+HOROVOD_OPS = {"sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}
+
+
+class HorovodHandle(Handle):
+    def __init__(self, handle):
+        self.handle, self._result, self._done = handle, None, False
+
+    def poll(self):
+        return self._done or hvd.poll(self.handle)
+
+    def wait(self):
+        if not self._done:
+            self._result, self._done = hvd.synchronize(self.handle), True
+        return self._result
+
+
+class HorovodCommunicator(Communicator):
+    """The ranks of a Horovod process set (the global one by default)."""
+
+    def __init__(self, process_set=None):
+        self.process_set = process_set or hvd.global_process_set
+
+    # read when used: a GIFT may be made with a set this rank is not in, refused at its first step
+    @property
+    def size(self):
+        return self.process_set.size()
+
+    @property
+    def rank(self):
+        return self.process_set.rank()
+
+    def describe(self):
+        ps = self.process_set
+        return f"process set {ps.process_set_id} (ranks {ps.ranks})"
+
+    def alltoall_async(self, tensor, splits, name):
+        return HorovodHandle(hvd.alltoall_async(tensor, splits=splits, name=name,
+                                                process_set=self.process_set))
+
+    def allgather_async(self, tensor, name):
+        return HorovodHandle(hvd.allgather_async(tensor, name=name, process_set=self.process_set))
+
+    def allreduce_async(self, tensor, op, name):
+        return HorovodHandle(hvd.allreduce_async(tensor, op=HOROVOD_OPS[op], name=name,
+                                                 process_set=self.process_set))
+
+    def broadcast_async_(self, tensor, root, name):
+        ranks = self.process_set.ranks
+        return HorovodHandle(hvd.broadcast_async_(tensor, root_rank=ranks[root] if ranks else root,
+                                                  name=name, process_set=self.process_set))
+
+
+def allreduce(tensor, name, format="fp8_e4m3", op=None, block_size=None, rounding="nearest",
+              seed=0, process_set=None):
+    """Average (op=hvd.Average, the default) or sum (hvd.Sum) `tensor` over the ranks of a
+    Horovod process set (the global one by default) through the quantized path, without
+    transform or error feedback. Returns a new tensor of tensor's dtype, bit-identical on every
+    rank."""
+    op = hvd.Average if op is None else op
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError(f"gift.allreduce({name!r}): op must be hvd.Average or hvd.Sum")
+    if not tensor.is_floating_point():
+        raise TypeError(
+            f"gift.allreduce({name!r}): expected a floating-point tensor, got {tensor.dtype}"
+        )
+    codec = Codec(format, block_size, rounding, seed)
+    flat = tensor.detach().reshape(-1).to(torch.float32).contiguous()
+    reduction = BucketReduction(f"gift.allreduce.{name}", [flat], codec,
+                                HorovodCommunicator(process_set), average=op == hvd.Average,
+                                key=name_key(name))
+    (result,) = reduction.start().exchange().finish()
+    return result.view(tensor.shape).to(tensor.dtype)

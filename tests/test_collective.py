@@ -1,0 +1,108 @@
+"""The bucket reduction on n ranks in one process (communicator.LocalGroup): layouts, seeds,
+the equal-size allgather, bit-identical results. mpi_tests run the same code over Horovod."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from horovod_gift.collective import BucketLayout, BucketReduction, Codec, fill_buckets
+from horovod_gift.communicator import LocalGroup
+
+
+class Recording:
+    """A communicator that notes the size of every allgather it is given."""
+
+    def __init__(self, inner, sizes):
+        self.inner, self.sizes = inner, sizes
+        self.size, self.rank = inner.size, inner.rank
+
+    def alltoall_async(self, tensor, splits, name):
+        return self.inner.alltoall_async(tensor, splits, name)
+
+    def allgather_async(self, tensor, name):
+        self.sizes.append(tensor.numel())
+        return self.inner.allgather_async(tensor, name)
+
+
+def reduce_on(n, flats_of_rank, codec, keys=(0,), step=0, record=None):
+    """Every rank's results of one BucketReduction per key (each over the same flats)."""
+    comms = LocalGroup(n).communicators()
+    if record is not None:
+        comms = [Recording(c, record) for c in comms]
+    reductions = [[BucketReduction(f"b{key}", [f.clone() for f in flats_of_rank[r]], codec,
+                                   comms[r], step=step, key=key) for key in keys]
+                  for r in range(n)]
+    for stage in ("start", "exchange"):
+        for mine in reductions:
+            for reduction in mine:
+                getattr(reduction, stage)()
+    return [[reduction.finish() for reduction in mine] for mine in reductions]
+
+
+def test_every_bucket_draws_its_own_stochastic_rounding():
+    """Two buckets with the same gradients in one step must not round alike: the seeds name the
+    bucket (they did not, so piece (k, i) of every bucket drew the same noise)."""
+    n, g = 3, torch.Generator().manual_seed(0)
+    flats = [[torch.randn(5000, generator=g)] for _ in range(n)]
+    codec = Codec("nvfp4", rounding="stochastic", seed=7)
+    results = reduce_on(n, flats, codec, keys=(0, 1))
+    first, second = results[0][0][0], results[0][1][0]
+    assert not torch.equal(first, second), "two buckets drew the same rounding noise"
+    mean = torch.stack([f[0] for f in flats]).mean(0)
+    for result in (first, second):   # both still unbiased estimates of the mean
+        assert float((result - mean).norm() / mean.norm()) < 0.25
+
+
+@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", None), ("fp8_e5m2", 64)])
+def test_unequal_chunks_go_through_one_size_allgather_and_agree(fmt, block):
+    """Chunks of different byte sizes (tensors split unevenly, a piece's scales) are padded to
+    one slot: every allgather has the same size on every rank, and all ranks end bit-identical."""
+    n, g = 4, torch.Generator().manual_seed(1)
+    sizes = [1000, 37, 3001, 5]
+    flats = [[torch.randn(s, generator=g) for s in sizes] for _ in range(n)]
+    codec = Codec(fmt, block)
+    layout = BucketLayout.of(tuple(sizes), n, codec.align, codec)
+    assert len(set(layout.chunk_bytes)) > 1, "the case needs chunks of different sizes"
+    record = []
+    results = reduce_on(n, flats, codec, record=record)
+    assert record == [layout.slot] * n
+    for r in range(1, n):
+        for mine, theirs in zip(results[r][0], results[0][0]):
+            assert torch.equal(mine, theirs)
+    for i, size in enumerate(sizes):
+        mean = torch.stack([f[i] for f in flats]).mean(0)
+        assert float((results[0][0][i] - mean).norm() / mean.norm()) < 0.2
+
+
+def test_a_bucket_layout_is_computed_once():
+    codec = Codec("nvfp4")
+    assert BucketLayout.of((4096, 100), 8, 32, codec) is BucketLayout.of((4096, 100), 8, 32, codec)
+
+
+def test_small_tensors_share_a_bucket_across_a_large_one():
+    """A tensor over the bucket size is a bucket of its own, and the small tensors before and
+    after it share one (they used to close a bucket of their own at each large tensor)."""
+    sizes = {"norm1": 10, "big": 1000, "norm2": 10, "big2": 1000, "norm3": 10}
+    buckets = fill_buckets(list(sizes), sizes, 100)
+    assert sorted(map(sorted, buckets)) == [["big"], ["big2"], ["norm1", "norm2", "norm3"]]
+
+
+def test_codec_modules_import_without_horovod():
+    """The engine-neutral core imports no engine; GIFT says clearly that Horovod is missing."""
+    code = (
+        "import sys\n"
+        "sys.modules['horovod'] = None\n"
+        "sys.modules['horovod.torch'] = None\n"
+        "import horovod_gift.collective, horovod_gift.feedback, horovod_gift.transforms\n"
+        "import horovod_gift.statistics, horovod_gift.checkpoint, horovod_gift.communicator\n"
+        "import horovod_gift as gift\n"
+        "try:\n"
+        "    gift.GIFT\n"
+        "except ImportError as error:\n"
+        "    print('refused:', error)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "refused: horovod_gift.GIFT needs horovod.torch" in done.stdout
