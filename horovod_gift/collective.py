@@ -22,144 +22,12 @@ import functools
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Optional
 
+import numpy as np
 import torch
 
-from horovod_gift.kernels.fp8 import FORMATS as FP8_FORMATS
-from horovod_gift.kernels.nvfp4 import TENSOR_SCALE_DIVISOR
-
-from .config import check_codec
-from .formats import dequantize, payload_layout, quantize, quantize_folded, sum_quantize
+from .codec import Codec, TensorPieces, piece_seeds
 from .workspaces import workspace
-
-
-@dataclass(frozen=True)
-class Codec:
-    format: str = "nvfp4"
-    block_size: Optional[int] = None
-    rounding: str = "nearest"
-    seed: int = 0
-
-    def __post_init__(self):
-        check_codec(self.format, self.block_size, self.rounding, where="Codec")
-
-    @property
-    def align(self):
-        """Chunk boundaries fall on multiples of this, so no scale block straddles two owners."""
-        return 32 if self.format == "nvfp4" else max(32, self.block_size or 1)
-
-    def layout(self, m):
-        """Byte sizes (codes, scales, tensor scale) of an m-element piece."""
-        return payload_layout(self.format, self.block_size, m)
-
-    def payload_bytes(self, m):
-        return sum(self.layout(m)) if m else 0
-
-    def encode(self, flat, residual=None, seed=0, folded_bits=None, out=None):
-        """flat fp32 -> uint8 payload (written into out, payload_bytes of uint8, if given);
-        residual (same size, fp32 or bf16) is updated in place. The kernels update fp32
-        residuals: a bf16 one goes through an fp32 workspace and back (round to nearest even,
-        the same on every device). folded_bits: flat already holds x + residual, summed
-        natively, with this largest magnitude_bits (quantize_folded)."""
-        m = flat.numel()
-        payload = self._payload(m, flat.device, out)
-        if m == 0:
-            return payload
-        fmt, block, stochastic = self.format, self.block_size, self.rounding == "stochastic"
-        if folded_bits is None:
-            def quantizer(wide):
-                return quantize(flat, fmt, block, stochastic, seed, wide, payload=payload)
-        else:
-            def quantizer(wide):
-                return quantize_folded(flat, folded_bits, wide, fmt, block, stochastic, seed,
-                                       payload)
-        return self._with_fp32_residual(residual, m, flat.device, quantizer, payload)
-
-    def reduce_encode(self, payloads, m, divisor, residual=None, seed=0, sum_out=None, out=None):
-        """The payload (into out, as in encode) of the fp32 sum of the payloads of an m-element
-        piece (the rows of payloads, uint8 (k, payload_bytes(m)), in their order) divided by
-        divisor, encoded with residual as encode does; sum_out: m fp32 elements of workspace
-        for the sum."""
-        codes, scales, tensor_scales = self.split_rows(payloads, m)
-        stochastic = self.rounding == "stochastic"
-        payload = self._payload(m, codes.device, out)
-        return self._with_fp32_residual(
-            residual, m, codes.device,
-            lambda wide: sum_quantize(codes, scales, tensor_scales, m, self.format,
-                                      self.block_size, divisor, stochastic, seed, wide, sum_out,
-                                      payload),
-            payload,
-        )
-
-    def _payload(self, m, device, out):
-        if out is None:
-            return torch.empty(self.payload_bytes(m), dtype=torch.uint8, device=device)
-        size = self.payload_bytes(m)
-        if (out.dtype != torch.uint8 or out.numel() != size or not out.is_contiguous()
-                or out.device != device):
-            raise ValueError(f"Codec: out must be {size} contiguous uint8 elements on {device} "
-                             f"for {m} values, got {out.dtype} {tuple(out.shape)} on {out.device}")
-        return out
-
-    @staticmethod
-    def _with_fp32_residual(residual, m, device, quantizer, payload):
-        """payload, holding quantizer(an fp32 residual or None)'s codes and scales: a narrow
-        residual is widened into a workspace and rounded back after. Parts the native kernels
-        wrote in place are not copied."""
-        narrow = residual is not None and residual.dtype != torch.float32
-        wide = workspace(m, device, "residual").copy_(residual) if narrow else residual
-        codes, scales, tensor_scale = quantizer(wide)
-        if narrow:
-            residual.copy_(wide)
-        position = 0
-        for part in (codes, scales, tensor_scale):
-            if part is None:
-                continue
-            data = part.reshape(-1).view(torch.uint8)
-            target = payload[position : position + data.numel()]
-            if data.data_ptr() != target.data_ptr():
-                target.copy_(data)
-            position += data.numel()
-        return payload
-
-    def split(self, payload, m):
-        """(codes, scales, tensor_scale) views of a payload of an m-element piece."""
-        c, s, t = self.layout(m)
-        codes = payload[:c]
-        # pieces start at any byte offset; fp32 views need 4-byte alignment, hence the copies
-        if self.format == "nvfp4":
-            return codes, payload[c : c + s], payload[c + s : c + s + t].clone().view(torch.float32)
-        return codes, payload[c : c + s].clone().view(torch.float32), None
-
-    def split_rows(self, payloads, m):
-        """split() of every row of payloads (k, payload_bytes(m)): codes (k, c), scales (k, ...)
-        and NVFP4's tensor scales (k,), or None."""
-        c, s, t = self.layout(m)
-        codes = payloads[:, :c]
-        if self.format == "nvfp4":
-            tensor_scales = payloads[:, c + s : c + s + t].contiguous().view(torch.float32)
-            return codes, payloads[:, c : c + s], tensor_scales.reshape(-1)
-        return codes, payloads[:, c : c + s].contiguous().view(torch.float32), None
-
-    def amax_bound(self, payload, m):
-        """The largest magnitude the payload's m-element piece held, to within rounding, read
-        from its scales (a one-element fp32 tensor on the payload's device, no host sync); not
-        finite when the piece was not. It also bounds every value the payload decodes to.
-        NVFP4: the tensor scale times 6 * 448; FP8: the largest scale times the format's
-        largest value."""
-        _, scales, tensor_scale = self.split(payload, m)
-        if self.format == "nvfp4":
-            return tensor_scale * TENSOR_SCALE_DIVISOR
-        return scales.max().reshape(1) * FP8_FORMATS[self.format].max
-
-    def decode(self, payload, m, out=None):
-        """The m fp32 values of a payload, into out (m contiguous fp32 elements) if given."""
-        if m == 0:
-            return (
-                torch.empty(0, dtype=torch.float32, device=payload.device) if out is None else out
-            )
-        return dequantize(*self.split(payload, m), m, self.format, self.block_size, out=out)
 
 
 def chunk_bounds(total, n, align):
@@ -229,9 +97,25 @@ class BucketLayout:
         self.chunk_starts = [0]
         for size in self.chunk_bytes:
             self.chunk_starts.append(self.chunk_starts[-1] + size)
-        # Horovod reads the splits on the host, whatever the payload's device
+        # engines read the splits on the host, whatever the payload's device
         self.splits = torch.tensor(self.chunk_bytes, dtype=torch.int32, device="cpu")
         self.slot = max(self.chunk_bytes)
+        # per tensor, its pieces in chunk order: where their payloads go in the alltoall's send
+        # buffer and lie in the allgather's, and their chunks (for the rounding seeds)
+        self.sent, self.gathered, self.chunk_of = [], [], []
+        for i in range(len(sizes)):
+            mine = [(k, piece) for k, chunk in enumerate(self.chunks) for piece in chunk
+                    if piece.tensor == i]
+            starts = np.array([piece.lo for _, piece in mine], np.int64)
+            ends = np.array([piece.hi for _, piece in mine], np.int64)
+            index = np.arange(len(mine))
+
+            def pieces(offsets):
+                return TensorPieces(starts, ends, np.array(offsets, np.int64), index)
+
+            self.sent.append(pieces([self.chunk_starts[k] + p.start for k, p in mine]))
+            self.gathered.append(pieces([k * self.slot + p.start for k, p in mine]))
+            self.chunk_of.append(np.array([k for k, _ in mine], np.int64))
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)
@@ -307,22 +191,14 @@ class BucketReduction:
     def start(self):
         layout = self.layout
         send = torch.empty(layout.chunk_starts[-1], dtype=torch.uint8, device=self.flats[0].device)
-        encoded = [0] * len(self.flats)   # pieces of each flat so far
-        for k, chunk in enumerate(layout.chunks):
-            base = layout.chunk_starts[k]
-            for piece in chunk:
-                i, lo, hi = piece.tensor, piece.lo, piece.hi
-                residual = None if self.residual1 is None else self.residual1[i][lo:hi]
-                maxima = self.maxima[i]
-                payload = self.codec.encode(
-                    self.flats[i][lo:hi],
-                    residual,
-                    mix_seed(self.codec.seed, self.step, self.rank, self.key, k, i, 1),
-                    folded_bits=None if maxima is None else int(maxima[encoded[i]]),
-                    out=send[base + piece.start : base + piece.end],
-                )
-                encoded[i] += 1
-                self._bound(payload, hi - lo, residual)
+        base = mix_seed(self.codec.seed, self.step, self.rank, self.key, 1)
+        for i, flat in enumerate(self.flats):
+            residual = None if self.residual1 is None else self.residual1[i]
+            bounds = self.codec.encode_pieces(flat, residual, layout.sent[i], send,
+                                              piece_seeds(base, layout.chunk_of[i], i),
+                                              self.maxima[i])
+            if residual is not None:
+                self.amax_bounds.extend(bounds)
         self.bytes_sent += layout.chunk_starts[-1] - layout.chunk_bytes[self.rank]
         self._handle = self.comm.alltoall_async(send, layout.splits, f"{self.name}.reduce_scatter")
         self.stage = 1
@@ -363,10 +239,8 @@ class BucketReduction:
         input tensors, whose values start() has sent, instead of new ones: on CPU a new tensor of
         over 32 MB costs a page fault per 4 KB (finish() of a 2**24-element tensor on 2 ranks:
         80 -> 28 ms)."""
-        gathered = self._wait(self._handle).view(self.n, -1)
+        gathered = self._wait(self._handle)
         out = self.flats if over_inputs else [torch.empty_like(f) for f in self.flats]
-        for k, chunk in enumerate(self.layout.chunks):
-            for piece in chunk:
-                self.codec.decode(gathered[k, piece.start : piece.end], piece.hi - piece.lo,
-                                  out=out[piece.tensor][piece.lo : piece.hi])
+        for i, pieces in enumerate(self.layout.gathered):
+            self.codec.decode_pieces(gathered, pieces, out[i])
         return out
