@@ -7,9 +7,13 @@ onto TCP over that loopback. Needs root; without it, says so and measures nothin
 Topology: both ranks share one shaped loopback queue, so every byte of both ranks passes one
 filter of the given rate. Writes benchmarks/results/bandwidth.md: median step time per arm, its
 split into compute / codec / waiting on the network (medians over the timed steps, first step
-excluded as warm-up), and the speedup against `none` at the same rate, measured in the same run.
+excluded as warm-up), the time from backward's end (the last gradient's hook) to the end of the
+optimizer's step, and the speedup against `none` at the same rate, measured in the same run.
+--before COMMIT runs the GIFT arms again with the library of that commit (a temporary git
+worktree on PYTHONPATH; the example is this tree's).
 """
 import argparse
+import contextlib
 import csv
 import os
 import pathlib
@@ -17,6 +21,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -37,8 +42,10 @@ def shaped_namespace(name, rate):
        "burst", str(burst), "latency", "50ms")
 
 
-def run_arm(namespace, arm, args, out_dir, rate):
-    csv_path = out_dir / f"{rate}-{arm}.csv"
+def run_arm(namespace, arm, args, out_dir, rate, tree=None):
+    """One 2-rank run; tree: another tree's horovod_gift on PYTHONPATH."""
+    label = arm if tree is None else f"{arm}-before"
+    csv_path = out_dir / f"{rate}-{label}.csv"
     command = [
         "ip",
         "netns",
@@ -62,6 +69,7 @@ def run_arm(namespace, arm, args, out_dir, rate):
         "lo",
         "-x",
         "OMP_NUM_THREADS=1",
+        *(["-x", f"PYTHONPATH={tree}"] if tree else []),
         str(ROOT / ".venv" / "bin" / "python"),
         str(ROOT / "examples" / "train_llama.py"),
         "--compression",
@@ -80,14 +88,33 @@ def run_arm(namespace, arm, args, out_dir, rate):
         "--csv",
         str(csv_path),
     ]
-    with open(out_dir / f"{rate}-{arm}.log", "w") as log:
+    with open(out_dir / f"{rate}-{label}.log", "w") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))[1:]  # the first step warms up (loads the kernels)
     med = lambda key: statistics.median(float(r[key]) for r in rows)  # noqa: E731
-    return {k: med(k) for k in ("seconds", "compute_seconds", "codec_seconds", "wait_seconds")} | {
-        "bits": float(rows[-1]["bits_per_element"])
-    }
+    keys = ("seconds", "compute_seconds", "codec_seconds", "wait_seconds",
+            "after_backward_seconds")
+    return {k: med(k) for k in keys} | {"bits": float(rows[-1]["bits_per_element"])}
+
+
+@contextlib.contextmanager
+def worktree(commit):
+    """A temporary checkout of commit whose horovod_gift imports (kernels/ linked in, as the
+    editable install maps it), or None without a commit."""
+    if commit is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        old = pathlib.Path(scratch) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", str(old), commit], cwd=ROOT,
+                       check=True, capture_output=True)
+        try:
+            (old / "horovod_gift" / "kernels").symlink_to(old / "kernels")
+            yield old
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT,
+                           check=True)
 
 
 def main():
@@ -99,6 +126,7 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--before", help="an earlier commit whose library runs the GIFT arms too")
     args = p.parse_args()
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         print(
@@ -108,22 +136,24 @@ def main():
         return 0
     out_dir = ROOT / "runs" / "bandwidth"
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {}
-    for rate in args.rates:
-        namespace = f"gift-bw-{os.getpid()}"
-        shaped_namespace(namespace, rate)
-        try:
-            for arm in args.arms:
-                results[rate, arm] = run_arm(namespace, arm, args, out_dir, rate)
-                r = results[rate, arm]
-                print(
-                    f"{rate} {arm}: step {r['seconds']:.3f}s "
-                    f"(compute {r['compute_seconds']:.3f}, codec "
-                    f"{r['codec_seconds']:.3f}, wait {r['wait_seconds']:.3f})",
-                    flush=True,
-                )
-        finally:
-            sh("ip", "netns", "del", namespace)
+    results, labels = {}, list(args.arms)
+    if args.before:
+        labels += [f"{arm}-before" for arm in args.arms if arm.startswith("gift")]
+    with worktree(args.before) as old:
+        for rate in args.rates:
+            namespace = f"gift-bw-{os.getpid()}"
+            shaped_namespace(namespace, rate)
+            try:
+                for label in labels:
+                    arm, before = label.removesuffix("-before"), label.endswith("-before")
+                    results[rate, label] = r = run_arm(namespace, arm, args, out_dir, rate,
+                                                       old if before else None)
+                    print(f"{rate} {label}: step {r['seconds']:.3f}s (compute "
+                          f"{r['compute_seconds']:.3f}, codec {r['codec_seconds']:.3f}, wait "
+                          f"{r['wait_seconds']:.3f}, after backward "
+                          f"{r['after_backward_seconds']:.3f})", flush=True)
+            finally:
+                sh("ip", "netns", "del", namespace)
     params = "dim {}, {} layers".format(args.dim, args.layers)
     lines = [
         f"# Step time on a bandwidth-capped link ({time.strftime('%Y-%m-%d')})",
@@ -132,21 +162,23 @@ def main():
         "network namespace whose loopback (MTU 1500) is shaped by `tc qdisc tbf`; MPI on TCP over "
         "that loopback; both ranks' traffic "
         f"shares the one filter. Medians over steps 2..{args.steps}. Command: `.venv/bin/python "
-        f"benchmarks/bandwidth.py --steps {args.steps}` (as root).",
+        f"benchmarks/bandwidth.py {' '.join(sys.argv[1:])}` (as root). After backward: from "
+        "backward's end (the last gradient's hook) to the end of the optimizer's step"
+        + (f"; `-before`: the library at {args.before}." if args.before else "."),
         "",
-        "| rate | arm | step (s) | compute (s) | codec (s) | waiting (s) | bits/elem "
-        "| speedup vs none |",
-        "|---|---|---|---|---|---|---|---|",
+        "| rate | arm | step (s) | compute (s) | codec (s) | waiting (s) | after backward (s) "
+        "| bits/elem | speedup vs none |",
+        "|---" * 9 + "|",
     ]
     for rate in args.rates:
         base = results.get((rate, "none"))
-        for arm in args.arms:
-            r = results[rate, arm]
+        for label in labels:
+            r = results[rate, label]
             speedup = f"{base['seconds'] / r['seconds']:.2f}x" if base else "-"
             lines.append(
-                f"| {rate} | {arm} | {r['seconds']:.3f} | {r['compute_seconds']:.3f} "
-                f"| {r['codec_seconds']:.3f} "
-                f"| {r['wait_seconds']:.3f} | {r['bits']:.2f} | {speedup} |"
+                f"| {rate} | {label} | {r['seconds']:.3f} | {r['compute_seconds']:.3f} "
+                f"| {r['codec_seconds']:.3f} | {r['wait_seconds']:.3f} "
+                f"| {r['after_backward_seconds']:.3f} | {r['bits']:.2f} | {speedup} |"
             )
     text = "\n".join(lines) + "\n"
     (ROOT / "benchmarks" / "results" / "bandwidth.md").write_text(text)

@@ -35,7 +35,8 @@ import types
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from horovod_gift.collective import BucketReduction, Codec, owned_elements  # noqa: E402
+from horovod_gift.codec import Codec  # noqa: E402
+from horovod_gift.collective import BucketReduction, owned_elements  # noqa: E402
 from horovod_gift.communicator import LocalGroup  # noqa: E402
 from horovod_gift.config import use_kernels  # noqa: E402
 from horovod_gift.geometry import InputWhitening  # noqa: E402

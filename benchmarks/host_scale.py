@@ -199,7 +199,7 @@ def main():
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 8, 64, 256, 1024])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--divide", type=int, default=16)
+    parser.add_argument("--divide", type=int, default=4)
     parser.add_argument("--format", default="nvfp4")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--before", help="an earlier commit to measure too")

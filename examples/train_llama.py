@@ -234,6 +234,8 @@ def main(argv=None):
             "codec_seconds": codec,
             "wait_seconds": wait,
             "compute_seconds": dt - codec - wait,
+            # from backward's end (the last gradient's hook) to the optimizer step's end
+            "after_backward_seconds": in_step,
         }
         if exact is not None:
             row["gradient_rel_l2"] = gradient_error

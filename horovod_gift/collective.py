@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .codec import Codec, TensorPieces, piece_seeds
+from .codec import Codec, TensorPieces, piece_seeds  # noqa: F401 (a BucketReduction's codec)
 from .workspaces import workspace
 
 

@@ -31,7 +31,8 @@ from torch.profiler import record_function
 from . import horovod_internals as internals
 from .horovod_frontend import HorovodCommunicator
 from .checkpoint import Checkpointing
-from .collective import BucketReduction, Codec, fill_buckets, owned_elements
+from .codec import Codec
+from .collective import BucketReduction, fill_buckets, owned_elements
 from .config import check_codec
 from .feedback import ErrorFeedback
 from .rotation import HadamardRotation

@@ -4,7 +4,8 @@ Horovod's DistributedOptimizer calls."""
 import horovod.torch as hvd
 import torch
 
-from .collective import BucketReduction, Codec, name_key
+from .codec import Codec
+from .collective import BucketReduction, name_key
 from .communicator import Communicator, Handle
 
 HOROVOD_OPS = {"sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs tests/ in one process, then mpi_tests/ under mpirun -np 2 and -np 4 (every rank runs every
-# test), then the robustness campaign. Fails if any suite or any rank fails; every test runs under a
-# timeout, and a suite that hangs anyway is killed and named.
+# test) and the collective's suites under -np 8, then the robustness campaign. Fails if any suite
+# or any rank fails; every test runs under a timeout, and a suite that hangs anyway is killed and
+# named.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -21,21 +22,31 @@ if [ "$which" = all ] || [ "$which" = unit ]; then
   [ $rc -eq 0 ] || failed+=("tests/ (pytest exit $rc)")
 fi
 
+# run_mpi NP PYTEST_ARGS...: one mpi suite; a suite that hangs is killed and its ranks' logs shown.
+run_mpi() {
+  local np=$1; shift
+  rm -f .build/mpi_tests-np$np-rank*.log
+  timeout --kill-after=30 "$MPI_SUITE_TIMEOUT" \
+    bash scripts/mpirun.sh "$np" bash scripts/mpi_rank.sh ".build/mpi_tests-np$np" "$PY" -m pytest "$@" -q --timeout "$MPI_TEST_TIMEOUT"
+  local rc=$?
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    echo "HUNG: mpi_tests/ under mpirun -np $np did not finish within ${MPI_SUITE_TIMEOUT}s and was killed."
+    for f in .build/mpi_tests-np$np-rank*.log; do echo "--- last lines of $f"; tail -n 5 "$f"; done
+    failed+=("mpi_tests np=$np (hung)")
+  elif [ $rc -ne 0 ]; then
+    failed+=("mpi_tests np=$np (exit $rc)")
+  fi
+}
+
 if [ "$which" = all ] || [ "$which" = mpi ]; then
   for np in 2 4; do
     echo "=== mpi_tests/ under mpirun -np $np (every rank runs every test; rank 0 reports) ==="
-    rm -f .build/mpi_tests-np$np-rank*.log
-    timeout --kill-after=30 "$MPI_SUITE_TIMEOUT" \
-      bash scripts/mpirun.sh "$np" bash scripts/mpi_rank.sh ".build/mpi_tests-np$np" "$PY" -m pytest mpi_tests -q --timeout "$MPI_TEST_TIMEOUT"
-    rc=$?
-    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
-      echo "HUNG: mpi_tests/ under mpirun -np $np did not finish within ${MPI_SUITE_TIMEOUT}s and was killed."
-      for f in .build/mpi_tests-np$np-rank*.log; do echo "--- last lines of $f"; tail -n 5 "$f"; done
-      failed+=("mpi_tests np=$np (hung)")
-    elif [ $rc -ne 0 ]; then
-      failed+=("mpi_tests np=$np (exit $rc)")
-    fi
+    run_mpi "$np" mpi_tests
   done
+  # the collective at 8 ranks (oversubscribed here): the suites that run it end to end
+  echo "=== mpi_tests/ (the collective's suites) under mpirun -np 8 ==="
+  run_mpi 8 mpi_tests/test_allreduce.py mpi_tests/test_gift.py mpi_tests/test_scale.py \
+    mpi_tests/test_distributed_optimizer.py
 fi
 
 if [ "$which" = all ] || [ "$which" = robustness ]; then

@@ -184,7 +184,7 @@ def test_amax_bound_covers_the_piece_and_flags_nonfinite(backend, fmt, block, ba
     """Codec.amax_bound, read from a payload's scales, is at least the largest magnitude the
     piece held (the error feedback trusts it to skip reading the residuals), and not finite
     when the piece was not."""
-    from horovod_gift.collective import Codec
+    from horovod_gift.codec import Codec
 
     x = torch.randn(1000, generator=torch.Generator().manual_seed(4)) * 3e4
     if bad is not None:
@@ -217,7 +217,7 @@ def test_encode_into_a_slice_of_a_send_buffer(backend, fmt, block):
     """Codec.encode(out=...) writes the payload's bytes into that slice of a larger buffer and
     nowhere else (the native kernels write codes and scales straight into it), the same bytes
     as a payload of its own; reduce_encode likewise for the owner's stage."""
-    from horovod_gift.collective import Codec
+    from horovod_gift.codec import Codec
 
     m = 4133
     x = torch.randn(m, generator=torch.Generator().manual_seed(5))

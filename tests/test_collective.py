@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch
 
-from horovod_gift.collective import BucketLayout, BucketReduction, Codec, fill_buckets
+from horovod_gift.codec import Codec
+from horovod_gift.collective import BucketLayout, BucketReduction, fill_buckets
 from horovod_gift.communicator import LocalGroup
 
 

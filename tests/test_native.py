@@ -315,7 +315,7 @@ def test_pieces_encoded_from_the_folded_rotation_equal_the_plain_path(fmt, block
     """BucketReduction's stage 1 under a folded rotation: each piece of u + r1, encoded with its
     maximum (Codec.encode(folded_bits=...)), gives the payload and new residual of encoding the
     piece of u with its piece of r1; a piece holding a NaN included."""
-    from horovod_gift.collective import Codec
+    from horovod_gift.codec import Codec
 
     n = 70_079
     x = sample(n, 8)
