@@ -2,9 +2,9 @@
 
 A payload is one piece's bytes (formats.payload_layout): codes, scales, and NVFP4's tensor scale.
 encode / reduce_encode / decode handle one piece; encode_pieces / decode_pieces every piece of
-one tensor at once (a bucket cuts each tensor into a piece per rank it spans): on the CPU one
-native call (kernels/native_pieces.py), whatever the number of pieces, the same bits as a call
-per piece.
+one tensor at once (a bucket cuts each tensor into a piece per rank it spans): one native call
+on the CPU (kernels/native_pieces.py), one or two Triton launches on a GPU (kernels/pieces.py),
+whatever the number of pieces, the same bits as a call per piece.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -15,8 +15,9 @@ import torch
 from horovod_gift.kernels import native, native_pieces
 from horovod_gift.kernels.fp8 import FORMATS as FP8_FORMATS
 from horovod_gift.kernels.nvfp4 import TENSOR_SCALE_DIVISOR
+from horovod_gift.kernels.pieces import decode_pieces_triton, quantize_pieces_triton
 
-from .config import check_codec, runs_native
+from .config import check_codec, runs_native, runs_triton
 from .formats import dequantize, payload_layout, quantize, quantize_folded, sum_quantize
 from .workspaces import workspace
 
@@ -157,7 +158,13 @@ class Codec:
         none) one native call encodes the pieces, apart from large ones when several threads can
         share each."""
         count = len(pieces.starts)
-        if runs_native(flat) and (residual is None or residual.dtype == torch.float32):
+        fp32_residual = residual is None or residual.dtype == torch.float32
+        if count and runs_triton(flat) and fp32_residual and maxima is None:
+            amax = quantize_pieces_triton(flat, residual, pieces.starts, pieces.ends, out,
+                                          pieces.offsets, seeds, self.format, self.block_size,
+                                          self.rounding == "stochastic")
+            return [] if residual is None else [amax]
+        if runs_native(flat) and fp32_residual:
             alone = (np.flatnonzero(pieces.sizes >= native.THREAD_MIN_ELEMENTS)
                      if torch.get_num_threads() > 1 else np.zeros(0, np.int64))
         else:
@@ -189,6 +196,9 @@ class Codec:
     def decode_pieces(self, buffer, pieces, out):
         """decode() of every piece p's payload at buffer[offsets[p]:] into
         out[starts[p]:ends[p]]: one native call on the CPU."""
+        if len(pieces.starts) and runs_triton(buffer):
+            return decode_pieces_triton(buffer, pieces.starts, pieces.ends, pieces.offsets, out,
+                                        self.format, self.block_size)
         if runs_native(buffer):
             native_pieces.decode_pieces(buffer.numpy(), pieces.offsets, pieces.starts,
                                         pieces.ends, out.numpy(), self.format, self.block_size)

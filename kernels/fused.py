@@ -154,7 +154,7 @@ def accumulate_kernel(
     for j in range(k):
         if NVFP4:
             total += nvfp4_decode_tile(codes_ptr + j * codes_stride, scales_ptr + j * scales_stride,
-                                       tensor_scales_ptr + j, rows, n, ROWS)
+                                       tl.load(tensor_scales_ptr + j), rows, n, ROWS)
         else:
             total += fp8_decode_tile(codes_ptr + j * codes_stride, scales_ptr + j * scales_stride,
                                      rows, offs, n, QBLOCK, PER_TENSOR, EBITS, MBITS, BIAS)

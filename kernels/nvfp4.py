@@ -78,7 +78,7 @@ def nvfp4_encode_kernel(
 def nvfp4_decode_tile(
     packed_ptr,         # E2M1 codes, two a byte
     scale_codes_ptr,    # E4M3 scale codes, one a block
-    tensor_scale_ptr,   # the tensor's fp32 scale
+    tensor_scale,       # the tensor's fp32 scale (a value)
     rows,               # the tile's block indices
     n,                  # elements
     ROWS: tl.constexpr,         # blocks in the tile
@@ -86,7 +86,7 @@ def nvfp4_decode_tile(
     byte_offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
     packed = tl.load(packed_ptr + byte_offs, mask=byte_offs * 2 < n, other=0)
     scale_codes = tl.load(scale_codes_ptr + rows, mask=rows * 16 < n, other=0)
-    denom = decode_float(scale_codes, 4, 3, 7) * tl.load(tensor_scale_ptr)   # E4M3
+    denom = decode_float(scale_codes, 4, 3, 7) * tensor_scale   # E4M3
     return decode_float(unpack_nibbles(packed, ROWS), 2, 1, 1) * denom[:, None]   # E2M1
 
 
@@ -101,7 +101,8 @@ def nvfp4_decode_kernel(
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = rows[:, None] * 16 + tl.arange(0, 16)[None, :]
-    values = nvfp4_decode_tile(packed_ptr, scale_codes_ptr, tensor_scale_ptr, rows, n, ROWS)
+    values = nvfp4_decode_tile(packed_ptr, scale_codes_ptr, tl.load(tensor_scale_ptr), rows, n,
+                               ROWS)
     tl.store(out_ptr + offs, values, mask=offs < n)
 
 

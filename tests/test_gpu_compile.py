@@ -104,12 +104,31 @@ def drive_codec():
             )
         for inverse in (False, True):
             HadamardRotation(128, 1).apply(x, inverse)
+        drive_pieces(x)
     for stochastic in (False, True):  # the stand-alone encoders that gpu_check.py also times
         nvfp4.nvfp4_encode_triton(x, torch.ones(1), 3, stochastic)
         for fmt, block in (("fp8_e4m3", None), ("fp8_e5m2", 32)):
             fp8.fp8_encode_triton(
                 x, fp8.FORMATS[fmt], block, None if block else torch.ones(1), 3, stochastic
             )
+
+
+def drive_pieces(x):
+    """A bucket's pieces of one tensor in one launch (kernels/pieces.py), every format and mode."""
+    import numpy as np
+
+    from horovod_gift.codec import Codec, TensorPieces
+
+    starts, ends = np.array([0, 1000], np.int64), np.array([1000, x.numel()], np.int64)
+    for fmt, block in (("nvfp4", None), ("fp8_e4m3", None), ("fp8_e5m2", 32)):
+        for rounding in ("nearest", "stochastic"):
+            codec = Codec(fmt, block, rounding)
+            sizes = [codec.payload_bytes(int(m)) for m in ends - starts]
+            pieces = TensorPieces(starts, ends, np.array([0, sizes[0]], np.int64), np.arange(2))
+            payload = torch.empty(sum(sizes), dtype=torch.uint8)
+            for residual in (None, torch.zeros_like(x)):
+                codec.encode_pieces(x, residual, pieces, payload, np.arange(2, dtype=np.int64))
+        codec.decode_pieces(payload, pieces, torch.empty_like(x))
 
 
 def main():

