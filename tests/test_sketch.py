@@ -11,6 +11,7 @@ from torch.utils._device import _device_constructors
 
 import horovod_gift as gift
 from horovod_gift import sketch
+from horovod_gift.horovod_frontend import HorovodCommunicator
 from horovod_gift.sketch import NystromSketch, sketching_matrix
 from horovod_gift.statistics import WhiteningStatistics
 from test_geometry import spiked_activations
@@ -196,7 +197,7 @@ class SharedInputs(torch.nn.Module):
 
 def statistics_of(model):
     return WhiteningStatistics(model, dict(model.named_parameters()), rank=4, damping=1e-3,
-                               refresh_every=1, window=10, process_set=hvd.global_process_set)
+                               refresh_every=1, window=10, comm=HorovodCommunicator())
 
 
 def statistics_step(model, stats, x):
@@ -224,8 +225,9 @@ def test_layers_reading_one_input_share_one_statistic(horovod, monkeypatch):
     changed = statistics_step(model, stats, torch.randn(4, 6, 32))
     assert set(changed) == {"q.weight", "k.weight", "o.weight"}
     assert changed["k.weight"] is gift.geometry.IDENTITY_FACTORS     # no factors before
-    assert names == ["gift.stats.o.weight", "gift.stats.q.weight"] * 2 + [
-        "gift.factors.o.weight", "gift.factors.q.weight"]
+    # a fixed set of names, not one per layer: every statistic in one allreduce, the factors in
+    # one broadcast per computing rank
+    assert names == ["gift.sharing", "gift.stats", "gift.stats", "gift.factors.0"]
     # The shared statistic counts q's input once, not once per reader, and only the first step's.
     alone = gift.InputWhitening(32, rank=4)
     alone.update(model.norm(x))
@@ -250,7 +252,7 @@ def test_refresh_uses_a_bias_corrected_ema_of_earlier_steps_only(horovod):
     torch.manual_seed(0)
     model = SharedInputs()
     stats = WhiteningStatistics(model, dict(model.named_parameters()), rank=4, damping=0.1,
-                                refresh_every=3, window=4, process_set=hvd.global_process_set)
+                                refresh_every=3, window=4, comm=HorovodCommunicator())
     batches = [torch.randn(n, 1, 32) for n in (4, 8, 2)] + [torch.randn(5, 1, 32) * 100]
     for x in batches:
         statistics_step(model, stats, x)
