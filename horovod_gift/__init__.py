@@ -4,7 +4,7 @@ The codec (formats, collective, transforms, ...) imports no engine; `GIFT` and `
 Horovod frontend, import horovod.torch when first used.
 """
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 from .config import FORMATS, ROUNDINGS, use_kernels
 from .formats import Encoded, decode, encode

@@ -6,7 +6,7 @@ one tensor at once (a bucket cuts each tensor into a piece per rank it spans): o
 on the CPU (kernels/native_pieces.py), one or two Triton launches on a GPU (kernels/pieces.py),
 whatever the number of pieces, the same bits as a call per piece.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -133,7 +133,8 @@ class Codec:
     def amax_bound(self, payload, m):
         """The largest magnitude the payload's m-element piece held, to within rounding, read
         from its scales (a one-element fp32 tensor on the payload's device, no host sync); not
-        finite when the piece was not. It also bounds every value the payload decodes to.
+        finite when the piece was not. It also bounds every value the payload decodes to (the
+        piece's own amax, which encode_pieces reports, does so to within rounding).
         NVFP4: the tensor scale times 6 * 448; FP8: the largest scale times the format's
         largest value."""
         _, scales, tensor_scale = self.split(payload, m)
@@ -150,20 +151,25 @@ class Codec:
         return dequantize(*self.split(payload, m), m, self.format, self.block_size, out=out)
 
 
-    def encode_pieces(self, flat, residual, pieces, out, seeds, maxima=None):
+    def encode_pieces(self, flat, residual, pieces, out, seed, maxima=None):
         """encode() of every piece p of flat (pieces: TensorPieces), flat[starts[p]:ends[p]]
-        with the same slice of residual, seeds[p] and (folded_bits) maxima[p], into
-        out[offsets[p]:]. Returns tensors of the pieces' amax bounds (amax_bound; not finite for
-        a piece that was not), for ErrorFeedback.scrub. On the CPU with an fp32 residual (or
-        none) one native call encodes the pieces, apart from large ones when several threads can
-        share each."""
+        with the same slice of residual and (folded_bits) maxima[p], into out[offsets[p]:];
+        each piece's rounding seed is piece_seeds(seed, ...) of its chunk. Returns tensors of
+        bounds on the pieces' magnitudes (their amax, or amax_bound; not finite for a piece that
+        was not), for ErrorFeedback.scrub. One native call on the CPU, with an fp32 residual or
+        none (large pieces apart when several threads can share each), one or two Triton
+        launches on a GPU; a call per piece otherwise."""
         count = len(pieces.starts)
         fp32_residual = residual is None or residual.dtype == torch.float32
+        stochastic = self.rounding == "stochastic"
         if count and runs_triton(flat) and fp32_residual and maxima is None:
-            amax = quantize_pieces_triton(flat, residual, pieces.starts, pieces.ends, out,
-                                          pieces.offsets, seeds, self.format, self.block_size,
-                                          self.rounding == "stochastic")
+            starts, sizes, offsets, chunks = pieces.on(flat.device)
+            amax = quantize_pieces_triton(flat, residual, starts, sizes, offsets,
+                                          piece_seeds(seed, chunks, pieces.tensor),
+                                          int(pieces.sizes.max()), out, self.format,
+                                          self.block_size, stochastic)
             return [] if residual is None else [amax]
+        seeds = piece_seeds(seed, pieces.chunks, pieces.tensor)
         if runs_native(flat) and fp32_residual:
             alone = (np.flatnonzero(pieces.sizes >= native.THREAD_MIN_ELEMENTS)
                      if torch.get_num_threads() > 1 else np.zeros(0, np.int64))
@@ -171,16 +177,17 @@ class Codec:
             alone = np.arange(count)
         bounds = []
         if len(alone) < count:
-            batched = pieces.without(alone)
+            batched = np.setdiff1d(np.arange(count), alone)
             found = native_pieces.encode_pieces(
-                flat.numpy(), None if residual is None else residual.numpy(), batched.starts,
-                batched.ends, out.numpy(), batched.offsets, seeds[batched.index],
-                None if maxima is None else np.asarray(maxima, np.int32)[batched.index],
-                self.format, self.block_size, self.rounding == "stochastic")
+                flat.numpy(), None if residual is None else residual.numpy(),
+                pieces.starts[batched], pieces.ends[batched], out.numpy(),
+                pieces.offsets[batched], seeds[batched],
+                None if maxima is None else np.asarray(maxima, np.int32)[batched],
+                self.format, self.block_size, stochastic)
             # its own bound is not finite where the piece was not
             bounds.append(torch.from_numpy(found.view(np.float32)))
             # such a piece goes to the reference, with its NaN rules
-            for p in batched.index[found >= native.INF_BITS].tolist():
+            for p in batched[found >= native.INF_BITS].tolist():
                 self._encode_piece(flat, residual, pieces, p, seeds, maxima, out)
         for p in alone.tolist():
             payload = self._encode_piece(flat, residual, pieces, p, seeds, maxima, out)
@@ -195,10 +202,11 @@ class Codec:
 
     def decode_pieces(self, buffer, pieces, out):
         """decode() of every piece p's payload at buffer[offsets[p]:] into
-        out[starts[p]:ends[p]]: one native call on the CPU."""
+        out[starts[p]:ends[p]]: one native call on the CPU, one Triton launch on a GPU."""
         if len(pieces.starts) and runs_triton(buffer):
-            return decode_pieces_triton(buffer, pieces.starts, pieces.ends, pieces.offsets, out,
-                                        self.format, self.block_size)
+            starts, sizes, offsets, _ = pieces.on(buffer.device)
+            return decode_pieces_triton(buffer, starts, sizes, offsets, int(pieces.sizes.max()),
+                                        out, self.format, self.block_size)
         if runs_native(buffer):
             native_pieces.decode_pieces(buffer.numpy(), pieces.offsets, pieces.starts,
                                         pieces.ends, out.numpy(), self.format, self.block_size)
@@ -212,32 +220,33 @@ class Codec:
 
 @dataclass(frozen=True)
 class TensorPieces:
-    """A tensor's pieces (numpy int64 arrays): piece p is elements [starts[p], ends[p]) and its
-    payload lies at offsets[p] of a byte buffer; index: the pieces' numbers in a larger
-    TensorPieces this one was taken from."""
+    """The pieces of tensor `tensor` of a bucket (numpy int64 arrays): piece p is elements
+    [starts[p], ends[p]) of chunk chunks[p], and its payload lies at offsets[p] of a byte
+    buffer. on(device) gives the tables as tensors there, copied once."""
     starts: np.ndarray
     ends: np.ndarray
     offsets: np.ndarray
-    index: np.ndarray
+    chunks: np.ndarray
+    tensor: int = 0
+    _tables: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def sizes(self):
         return self.ends - self.starts
 
-    def without(self, pieces):
-        keep = np.setdiff1d(np.arange(len(self.starts)), pieces)
-        return TensorPieces(self.starts[keep], self.ends[keep], self.offsets[keep],
-                            self.index[keep])
+    def on(self, device):
+        """(starts, sizes, offsets, chunks) as int64 tensors on device (kept: a copy from
+        pageable host memory waits for the device's queue)."""
+        if device not in self._tables:
+            self._tables[device] = tuple(torch.from_numpy(np.ascontiguousarray(v)).to(device)
+                                         for v in (self.starts, self.sizes, self.offsets,
+                                                   self.chunks))
+        return self._tables[device]
 
 
 def piece_seeds(base, chunks, tensor):
-    """31-bit rounding seeds of the pieces (chunk chunks[p], tensor) of a bucket whose seed is
-    base (collective.mix_seed of the codec's seed, step, rank and bucket): a splitmix64 mix in
-    numpy, the same in every process, one vector operation for all of a tensor's pieces."""
-    # array arithmetic wraps modulo 2**64 silently (numpy scalars warn)
-    z = (np.full(len(chunks), base, np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-         + np.asarray(chunks, np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
-         + np.full(len(chunks), tensor, np.uint64) * np.uint64(0x94D049BB133111EB))
-    for shift, multiplier in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
-        z = (z ^ (z >> np.uint64(shift))) * np.uint64(multiplier)
-    return ((z ^ (z >> np.uint64(31))) & np.uint64(0x7FFFFFFF)).astype(np.int64)
+    """31-bit rounding seeds of the pieces (chunks: their chunk numbers, numpy or a tensor) of
+    tensor `tensor` of a bucket whose seed is base (collective.mix_seed of the codec's seed,
+    step, rank and bucket): distinct for every chunk of a tensor, the same in every process
+    and on every device (int64 arithmetic without overflow: base, chunk < 2**31)."""
+    return (base + chunks * 0x9E3779B1 + tensor * 0x85EBCA77) & 0x7FFFFFFF

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .codec import Codec, TensorPieces, piece_seeds  # noqa: F401 (a BucketReduction's codec)
+from .codec import Codec, TensorPieces  # noqa: F401 (Codec: a BucketReduction's codec)
 from .workspaces import workspace
 
 
@@ -101,21 +101,19 @@ class BucketLayout:
         self.splits = torch.tensor(self.chunk_bytes, dtype=torch.int32, device="cpu")
         self.slot = max(self.chunk_bytes)
         # per tensor, its pieces in chunk order: where their payloads go in the alltoall's send
-        # buffer and lie in the allgather's, and their chunks (for the rounding seeds)
-        self.sent, self.gathered, self.chunk_of = [], [], []
-        for i in range(len(sizes)):
-            mine = [(k, piece) for k, chunk in enumerate(self.chunks) for piece in chunk
-                    if piece.tensor == i]
-            starts = np.array([piece.lo for _, piece in mine], np.int64)
-            ends = np.array([piece.hi for _, piece in mine], np.int64)
-            index = np.arange(len(mine))
-
-            def pieces(offsets):
-                return TensorPieces(starts, ends, np.array(offsets, np.int64), index)
-
-            self.sent.append(pieces([self.chunk_starts[k] + p.start for k, p in mine]))
-            self.gathered.append(pieces([k * self.slot + p.start for k, p in mine]))
-            self.chunk_of.append(np.array([k for k, _ in mine], np.int64))
+        # buffer and lie in the allgather's (one pass over the pieces)
+        mine = [[] for _ in sizes]
+        for k, chunk in enumerate(self.chunks):
+            for piece in chunk:
+                mine[piece.tensor].append((k, piece))
+        self.sent, self.gathered = [], []
+        for i, placed in enumerate(mine):
+            starts = np.array([piece.lo for _, piece in placed], np.int64)
+            ends = np.array([piece.hi for _, piece in placed], np.int64)
+            chunks = np.array([k for k, _ in placed], np.int64)
+            for offsets, out in (([self.chunk_starts[k] + p.start for k, p in placed], self.sent),
+                                 ([k * self.slot + p.start for k, p in placed], self.gathered)):
+                out.append(TensorPieces(starts, ends, np.array(offsets, np.int64), chunks, i))
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)
@@ -171,7 +169,6 @@ class BucketReduction:
         self.maxima = maxima or [None] * len(flats)
         self.n, self.rank = comm.size, comm.rank
         self.layout = BucketLayout.of(tuple(f.numel() for f in flats), self.n, codec.align, codec)
-        self.pieces = self.layout.pieces
         self.bytes_sent = 0
         self.wait_seconds = 0.0  # blocked waiting for the communicator
         self.amax_bounds = []  # Codec.amax_bound of each piece encoded with a residual
@@ -191,11 +188,10 @@ class BucketReduction:
     def start(self):
         layout = self.layout
         send = torch.empty(layout.chunk_starts[-1], dtype=torch.uint8, device=self.flats[0].device)
-        base = mix_seed(self.codec.seed, self.step, self.rank, self.key, 1)
+        seed = mix_seed(self.codec.seed, self.step, self.rank, self.key, 1)
         for i, flat in enumerate(self.flats):
             residual = None if self.residual1 is None else self.residual1[i]
-            bounds = self.codec.encode_pieces(flat, residual, layout.sent[i], send,
-                                              piece_seeds(base, layout.chunk_of[i], i),
+            bounds = self.codec.encode_pieces(flat, residual, layout.sent[i], send, seed,
                                               self.maxima[i])
             if residual is not None:
                 self.amax_bounds.extend(bounds)

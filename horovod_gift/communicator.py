@@ -15,8 +15,6 @@ from abc import ABC, abstractmethod
 
 import torch
 
-OPS = ("sum", "max", "min")
-
 
 class Handle(ABC):
     """An operation in flight."""
@@ -66,10 +64,6 @@ class Communicator(ABC):
     def broadcast_async_(self, tensor, root, name):
         """tensor overwritten with rank root's; wait() returns it."""
 
-    def describe(self):
-        """How errors name this group of ranks."""
-        return f"{self.size} ranks"
-
     def allreduce(self, tensor, op, name):
         return self.allreduce_async(tensor, op, name).wait()
 
@@ -87,31 +81,34 @@ class Communicator(ABC):
 
 class LocalGroup:
     """n ranks in one process, each a LocalCommunicator (communicators()): for tests and
-    simulations that drive every rank from one thread. A rank's wait() needs every rank's call
-    of that collective first; received tensors are new, as from a network."""
+    simulations that drive every rank from one thread. The c-th call of a name on one rank
+    meets the c-th call of it on the others; its wait() needs all of them made first. Received
+    tensors are new, as from a network."""
 
     def __init__(self, n):
-        self.n, self.sent = n, {}
+        self.n, self.sent, self.calls = n, {}, {}
 
     def communicators(self):
         return [LocalCommunicator(self, rank) for rank in range(self.n)]
 
     def post(self, name, rank, value, combine):
-        self.sent[name, rank] = value
-        return LocalHandle(self, name, combine)
+        call = self.calls[name, rank] = self.calls.get((name, rank), 0) + 1
+        self.sent[name, call, rank] = value
+        return LocalHandle(self, (name, call), combine)
 
 
 class LocalHandle(Handle):
-    def __init__(self, group, name, combine):
-        self.group, self.name, self.combine = group, name, combine
+    def __init__(self, group, key, combine):
+        self.group, self.key, self.combine = group, key, combine
 
     def poll(self):
-        return all((self.name, k) in self.group.sent for k in range(self.group.n))
+        return all((*self.key, k) in self.group.sent for k in range(self.group.n))
 
     def wait(self):
         if not self.poll():
-            raise RuntimeError(f"LocalGroup: {self.name} waited on before every rank called it")
-        return self.combine([self.group.sent[self.name, k] for k in range(self.group.n)])
+            raise RuntimeError(f"LocalGroup: call {self.key[1]} of {self.key[0]} waited on "
+                               "before every rank made it")
+        return self.combine([self.group.sent[(*self.key, k)] for k in range(self.group.n)])
 
 
 class LocalCommunicator(Communicator):
@@ -125,17 +122,19 @@ class LocalCommunicator(Communicator):
             parts = [chunks[self.rank] for chunks in sent]
             return (torch.cat(parts),
                     torch.tensor([p.numel() for p in parts], dtype=torch.int32, device="cpu"))
-        return self.group.post(name, self.rank, torch.split(tensor, splits.tolist()), combine)
+        parts = torch.split(tensor.clone(), splits.tolist())
+        return self.group.post(name, self.rank, parts, combine)
 
     def allgather_async(self, tensor, name):
         return self.group.post(name, self.rank, tensor.clone(), torch.cat)
 
     def allreduce_async(self, tensor, op, name):
+        reduce = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
+
         def combine(sent):
             total = sent[0].clone()
             for value in sent[1:]:  # in rank order, as every rank sees it
-                total = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[op](
-                    total, value)
+                total = reduce(total, value)
             return total
         return self.group.post(name, self.rank, tensor.clone(), combine)
 

@@ -12,10 +12,11 @@ synchronize()):
                               with error feedback on both quantization stages
     g_avg = T^{-1}(avg(u))    identical bytes, scales and T on every rank: bit-identical result
 compress returns a one-element placeholder for Horovod's own allreduce and launches the bucket's
-first stage once all its members are in; each later compress starts the second stage of every
-bucket whose first stage has arrived (never waiting), and the first decompress of a step those
-of the rest. Tensors under `min_elements`, sparse gradients and steps in
-which a rank has called hvd.join() take Horovod's own fp32 reduction.
+first stage once all its members are in; each later compress starts the second stages of the
+buckets whose first stage has arrived, oldest first, up to the first that has not (never
+waiting), and the first decompress of a step those of the rest. Tensors under `min_elements`,
+sparse gradients and steps in which a rank has called hvd.join() take Horovod's own fp32
+reduction.
 """
 import functools
 import time
@@ -33,15 +34,14 @@ from .horovod_frontend import HorovodCommunicator
 from .checkpoint import Checkpointing
 from .codec import Codec
 from .collective import BucketReduction, fill_buckets, owned_elements
-from .config import check_codec
+from .config import check_arguments
 from .feedback import ErrorFeedback
 from .rotation import HadamardRotation
 from .statistics import WhiteningStatistics
 from .telemetry import Telemetry, logger
-from .transforms import TRANSFORMS, TransformPlan
+from .transforms import TransformPlan
 
 HOROVOD_DTYPES = (torch.float16, torch.float32, torch.float64)
-RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass
@@ -121,33 +121,15 @@ class GIFT(Checkpointing, Compressor):
                  verbose=True):
         if not hvd.is_initialized():
             raise RuntimeError("GIFT: call hvd.init() before creating GIFT(model, ...)")
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"GIFT: expected the torch.nn.Module being trained, "
-                            f"got {type(model).__name__}")
-        check_codec(format, block_size, rounding, where="GIFT")
-        if transform not in TRANSFORMS:
-            raise ValueError(f"GIFT: unknown transform {transform!r}; expected one of {TRANSFORMS}")
-        if nonfinite not in ("nan", "raise"):
-            raise ValueError(f"GIFT: nonfinite must be 'nan' or 'raise', got {nonfinite!r}")
-        for what, value in (("refresh_every", refresh_every), ("stat_window", stat_window),
-                            ("whitening_rank", whitening_rank)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"GIFT: {what} must be a positive int, got {value!r}")
+        check_arguments(model, format, block_size, rounding, transform, nonfinite, damping,
+                        start_step, grad_scaler, residual_dtype,
+                        refresh_every=refresh_every, stat_window=stat_window,
+                        whitening_rank=whitening_rank)
         try:
             rotation = HadamardRotation(hadamard_block, seed)
         except ValueError:
             raise ValueError(f"GIFT: hadamard_block must be a power of two, "
                              f"got {hadamard_block!r}") from None
-        if not damping > 0:
-            raise ValueError(f"GIFT: damping must be positive, got {damping!r}")
-        if not isinstance(start_step, int) or start_step < 0:
-            raise ValueError(f"GIFT: start_step must be a non-negative int, got {start_step!r}")
-        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
-            raise TypeError(f"GIFT: grad_scaler must be a torch.amp.GradScaler, "
-                            f"got {type(grad_scaler).__name__}")
-        if residual_dtype not in RESIDUAL_DTYPES:
-            raise ValueError(f"GIFT: residual_dtype must be one of {RESIDUAL_DTYPES}, "
-                             f"got {residual_dtype!r}")
         params = list(model.named_parameters())
         trainable = [(n, p) for n, p in params if p.requires_grad]
         if not trainable:

@@ -1,4 +1,4 @@
-"""Which implementation runs the codec, and the names the public API accepts.
+"""Which implementation runs the codec, and the names and arguments the public API accepts.
 
 CUDA tensors run the compiled Triton kernels; CPU tensors run the native kernels (numba,
 kernels/native.py; the Triton interpreter is 100-1000x slower). `HOROVOD_GIFT_KERNELS=triton` or
@@ -9,6 +9,8 @@ the plain-torch references, which every other implementation matches bit for bit
 
 import contextlib
 import os
+
+import torch
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2", "nvfp4")
 ROUNDINGS = ("nearest", "stochastic")
@@ -61,3 +63,34 @@ def check_codec(format, block_size, rounding, where="encode"):
             f"{where}: block_size must be None (one scale per tensor) or a power of two "
             f"from 1 to 4096; got {block_size!r}"
         )
+
+
+RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def check_arguments(model, format, block_size, rounding, transform, nonfinite, damping,
+                    start_step, grad_scaler, residual_dtype, **positive_ints):
+    """GIFT's arguments, each refused by name with what it accepts."""
+    from .transforms import TRANSFORMS     # transforms imports this module
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"GIFT: expected the torch.nn.Module being trained, "
+                        f"got {type(model).__name__}")
+    check_codec(format, block_size, rounding, where="GIFT")
+    if transform not in TRANSFORMS:
+        raise ValueError(f"GIFT: unknown transform {transform!r}; expected one of {TRANSFORMS}")
+    if nonfinite not in ("nan", "raise"):
+        raise ValueError(f"GIFT: nonfinite must be 'nan' or 'raise', got {nonfinite!r}")
+    for what, value in positive_ints.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"GIFT: {what} must be a positive int, got {value!r}")
+    if not damping > 0:
+        raise ValueError(f"GIFT: damping must be positive, got {damping!r}")
+    if not isinstance(start_step, int) or start_step < 0:
+        raise ValueError(f"GIFT: start_step must be a non-negative int, got {start_step!r}")
+    if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+        raise TypeError(f"GIFT: grad_scaler must be a torch.amp.GradScaler, "
+                        f"got {type(grad_scaler).__name__}")
+    if residual_dtype not in RESIDUAL_DTYPES:
+        raise ValueError(f"GIFT: residual_dtype must be one of {RESIDUAL_DTYPES}, "
+                         f"got {residual_dtype!r}")

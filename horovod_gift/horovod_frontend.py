@@ -39,10 +39,6 @@ class HorovodCommunicator(Communicator):
     def rank(self):
         return self.process_set.rank()
 
-    def describe(self):
-        ps = self.process_set
-        return f"process set {ps.process_set_id} (ranks {ps.ranks})"
-
     def alltoall_async(self, tensor, splits, name):
         return HorovodHandle(hvd.alltoall_async(tensor, splits=splits, name=name,
                                                 process_set=self.process_set))

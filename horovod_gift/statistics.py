@@ -166,6 +166,7 @@ class WhiteningStatistics:
         n, me = self.comm.size, self.comm.rank
         factors = {}            # root rank -> [(owner, flat factors)], broadcast by that root
         for i, (owner, sums) in enumerate(zip(owners, torch.split(summed, lengths))):
+            sums = sums.to(self._modules[owner].weight.device)      # back to its layer's
             tokens, w = float(sums[-1]), self.whitening[owner]
             if tokens == 0:
                 continue
@@ -178,7 +179,7 @@ class WhiteningStatistics:
                 continue
             root = i % n
             w.fold(sums[:-1].div(tokens), refresh=False)
-            flat = (_factors_or_nan(w, device) if root == me
+            flat = (_factors_or_nan(w, sums.device).to(device) if root == me
                     else torch.empty(w.factor_numel(), dtype=torch.float32, device=device))
             factors.setdefault(root, []).append((owner, flat))
         # one broadcast per computing rank: at most min(ranks, statistics) names
@@ -189,7 +190,8 @@ class WhiteningStatistics:
         for root, handle in handles:
             group = factors[root]
             parts = torch.split(handle.wait(), [f.numel() for _, f in group])
-            broadcasts.extend((owner, part) for (owner, _), part in zip(group, parts))
+            broadcasts.extend((owner, part.to(self._modules[owner].weight.device))
+                              for (owner, _), part in zip(group, parts))
         changed, failed = {}, []
         for owner, flat in broadcasts:
             w = self.whitening[owner]

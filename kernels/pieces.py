@@ -11,7 +11,6 @@ a call per piece (the reference: Codec's loop over pieces on the torch reference
 Payload layout as formats.payload_layout. Its fp32 scales lie at any byte offset, where a GPU
 cannot load or store a float: the kernels move them as four little-endian bytes.
 """
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -142,49 +141,43 @@ def _shape(fmt_name, block_size):
     return qblock, max(1, TILE // qblock)
 
 
-def quantize_pieces_triton(x, residual, starts, ends, payload, offsets, seeds, fmt_name,
-                           block_size, stochastic):
-    """Every piece's payload into payload (uint8, on x's device); residual updated in place.
-    starts, ends, offsets, seeds: numpy int64. Returns each piece's amax (a tensor; inf where a
-    piece is not finite) when a pass found it (a piece scale, or feedback), else None."""
-    device, pieces = x.device, len(starts)
+def quantize_pieces_triton(x, residual, starts, sizes, offsets, seeds, largest, payload,
+                           fmt_name, block_size, stochastic):
+    """Every piece's payload into payload (uint8); residual updated in place. starts, sizes,
+    offsets, seeds: int64 tensors on x's device; largest: the largest piece's elements.
+    Returns each piece's amax (a tensor; inf where a piece is not finite) when a pass found it
+    (a piece scale, or feedback), else None."""
+    pieces = starts.numel()
     nvfp4, per_tensor = fmt_name == "nvfp4", block_size is None
     qblock, rows = _shape(fmt_name, block_size)
-    sizes = ends - starts
-    tiles = max(1, int(-(-sizes.max() // (rows * qblock))))
-    starts_t, sizes_t, offsets_t, seeds_t = (torch.from_numpy(np.ascontiguousarray(v)).to(device)
-                                             for v in (starts, sizes, offsets, seeds))
+    tiles = max(1, -(-largest // (rows * qblock)))
     fmt = FORMATS.get(fmt_name, FORMATS["fp8_e4m3"])
     common = dict(EXACT_ARITHMETIC, FEEDBACK=residual is not None, NVFP4=nvfp4,
                   PER_TENSOR=per_tensor, ROWS=rows, QBLOCK=qblock, EBITS=fmt.ebits,
                   MBITS=fmt.mbits, BIAS=fmt.bias, MAX=fmt.max, STOCHASTIC=stochastic)
-    args = (x, x if residual is None else residual, starts_t, sizes_t, payload, offsets_t)
+    args = (x, x if residual is None else residual, starts, sizes, payload, offsets)
     amax, tensor_scales = None, x       # FP8 blocks carry their own scales: x is not read
     if nvfp4 or per_tensor or residual is not None:
-        partial = torch.empty((pieces, tiles), dtype=torch.float32, device=device)
-        pieces_quantize_kernel[(tiles, pieces)](*args, partial, partial, seeds_t, tiles,
+        partial = torch.empty((pieces, tiles), dtype=torch.float32, device=x.device)
+        pieces_quantize_kernel[(tiles, pieces)](*args, partial, partial, seeds, tiles,
                                                 AMAX_ONLY=True, **common)
         amax = partial.amax(dim=1)
         if nvfp4:
             tensor_scales = nvfp4_tensor_scale_torch(amax)
         elif per_tensor:
             tensor_scales = tensor_scale_torch(amax, fmt.max)
-    pieces_quantize_kernel[(tiles, pieces)](*args, tensor_scales, x, seeds_t, tiles,
+    pieces_quantize_kernel[(tiles, pieces)](*args, tensor_scales, x, seeds, tiles,
                                             AMAX_ONLY=False, **common)
     return amax
 
 
-def decode_pieces_triton(payload, starts, ends, offsets, out, fmt_name, block_size):
-    """Every piece's payload decoded into out (fp32, on payload's device)."""
-    device = payload.device
+def decode_pieces_triton(payload, starts, sizes, offsets, largest, out, fmt_name, block_size):
+    """Every piece's payload decoded into out (fp32); the tables as in quantize_pieces_triton."""
     qblock, rows = _shape(fmt_name, block_size)
-    sizes = ends - starts
-    tiles = max(1, int(-(-sizes.max() // (rows * qblock))))
-    offsets_t, starts_t, sizes_t = (torch.from_numpy(np.ascontiguousarray(v)).to(device)
-                                    for v in (offsets, starts, sizes))
+    tiles = max(1, -(-largest // (rows * qblock)))
     fmt = FORMATS.get(fmt_name, FORMATS["fp8_e4m3"])
-    pieces_decode_kernel[(tiles, len(starts))](
-        payload, offsets_t, out, starts_t, sizes_t, **EXACT_ARITHMETIC,
-        NVFP4=fmt_name == "nvfp4", PER_TENSOR=block_size is None, ROWS=rows, QBLOCK=qblock,
-        EBITS=fmt.ebits, MBITS=fmt.mbits, BIAS=fmt.bias)
+    pieces_decode_kernel[(tiles, starts.numel())](
+        payload, offsets, out, starts, sizes, **EXACT_ARITHMETIC, NVFP4=fmt_name == "nvfp4",
+        PER_TENSOR=block_size is None, ROWS=rows, QBLOCK=qblock, EBITS=fmt.ebits,
+        MBITS=fmt.mbits, BIAS=fmt.bias)
     return out

@@ -24,6 +24,7 @@ POINTER_TYPES = {
     torch.uint8: "*u8",
     torch.int32: "*i32",
     torch.int16: "*i16",
+    torch.int64: "*i64",
 }
 
 
@@ -124,11 +125,12 @@ def drive_pieces(x):
         for rounding in ("nearest", "stochastic"):
             codec = Codec(fmt, block, rounding)
             sizes = [codec.payload_bytes(int(m)) for m in ends - starts]
-            pieces = TensorPieces(starts, ends, np.array([0, sizes[0]], np.int64), np.arange(2))
+            pieces = TensorPieces(starts, ends, np.array([0, sizes[0]], np.int64),
+                                  np.arange(2, dtype=np.int64))
             payload = torch.empty(sum(sizes), dtype=torch.uint8)
             for residual in (None, torch.zeros_like(x)):
-                codec.encode_pieces(x, residual, pieces, payload, np.arange(2, dtype=np.int64))
-        codec.decode_pieces(payload, pieces, torch.empty_like(x))
+                codec.encode_pieces(x, residual, pieces, payload, 3)
+        codec.decode_pieces(payload, pieces, torch.empty_like(x))   # the same for any rounding
 
 
 def main():

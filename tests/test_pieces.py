@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import horovod_gift as gift
-from horovod_gift.codec import Codec, TensorPieces
+from horovod_gift.codec import Codec, TensorPieces, piece_seeds
 from horovod_gift.kernels import native
 
 CODECS = [("nvfp4", None), ("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", 32),
@@ -24,11 +24,12 @@ def layout(codec, ends, gap=3):
         offsets.append(position)
         position += codec.payload_bytes(hi - lo) + gap
     arrays = [np.array(v, np.int64) for v in (starts, ends, offsets)]
-    return TensorPieces(*arrays, np.arange(len(ends))), position
+    return TensorPieces(*arrays, np.arange(len(ends), dtype=np.int64)), position
 
 
-def per_piece(codec, flat, residual, pieces, size, seeds, maxima=None):
+def per_piece(codec, flat, residual, pieces, size, seed, maxima=None):
     """The payload buffer and residual after codec.encode of each piece (torch references)."""
+    seeds = piece_seeds(seed, pieces.chunks, pieces.tensor)
     out = torch.full((size,), 0xA5, dtype=torch.uint8)
     residual = None if residual is None else residual.clone()
     with gift.use_kernels("torch"):
@@ -56,12 +57,11 @@ def test_one_call_for_every_piece_gives_the_bits_of_a_call_each(backend, fmt, bl
     residual = (None if feedback is None
                 else (torch.randn(n, generator=g) * 0.1).to(feedback))
     pieces, size = layout(codec, ENDS)
-    seeds = np.arange(len(ENDS), dtype=np.int64) * 7919 + 11
-    expected, expected_residual = per_piece(codec, flat, residual, pieces, size, seeds)
+    expected, expected_residual = per_piece(codec, flat, residual, pieces, size, 7919)
     out = torch.full((size,), 0xA5, dtype=torch.uint8)
     got_residual = None if residual is None else residual.clone()
     with gift.use_kernels(backend):
-        bounds = codec.encode_pieces(flat, got_residual, pieces, out, seeds)
+        bounds = codec.encode_pieces(flat, got_residual, pieces, out, 7919)
     assert torch.equal(out, expected), "payload bytes differ (or bytes between them written)"
     if residual is not None:
         assert torch.equal(got_residual.view(torch.uint8), expected_residual.view(torch.uint8))
@@ -90,14 +90,14 @@ def test_folded_maxima_give_the_bits_of_a_call_each(fmt, block):
                        if bool(flat[lo:hi].isfinite().all()) else int(native.INF_BITS)
                        for lo, hi in zip(pieces.starts, pieces.ends)], np.int32)
     residual = torch.zeros(n)
-    seeds = np.zeros(len(ENDS), np.int64)
+    seeds = piece_seeds(0, pieces.chunks, pieces.tensor)
     with gift.use_kernels("native"):
         expected, expected_residual = torch.full((size,), 0xA5, dtype=torch.uint8), residual.clone()
         for p, (lo, hi, start) in enumerate(zip(pieces.starts, pieces.ends, pieces.offsets)):
-            codec.encode(flat[lo:hi], expected_residual[lo:hi], 0, int(maxima[p]),
+            codec.encode(flat[lo:hi], expected_residual[lo:hi], int(seeds[p]), int(maxima[p]),
                          expected[start : start + codec.payload_bytes(hi - lo)])
         out = torch.full((size,), 0xA5, dtype=torch.uint8)
-        codec.encode_pieces(flat, residual, pieces, out, seeds, maxima)
+        codec.encode_pieces(flat, residual, pieces, out, 0, maxima)
     assert torch.equal(out, expected)
     assert torch.equal(residual.view(torch.int32), expected_residual.view(torch.int32))
 
@@ -116,7 +116,7 @@ def test_large_pieces_go_to_the_threaded_kernels_with_the_same_bits():
         try:
             out, residual = torch.zeros(size, dtype=torch.uint8), torch.zeros(n)
             with gift.use_kernels("native"):
-                codec.encode_pieces(flat, residual, pieces, out, np.arange(3, dtype=np.int64))
+                codec.encode_pieces(flat, residual, pieces, out, 3)
             results.append((out, residual))
         finally:
             torch.set_num_threads(previous)
