@@ -13,7 +13,6 @@ optimizer's step, and the speedup against `none` at the same rate, measured in t
 worktree on PYTHONPATH; the example is this tree's).
 """
 import argparse
-import contextlib
 import csv
 import os
 import pathlib
@@ -21,8 +20,9 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+
+from earlier_tree import earlier_tree
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ARMS = ["none", "fp16", "gift-fp8", "gift-nvfp4"]
@@ -100,25 +100,6 @@ def run_arm(namespace, arm, args, out_dir, rate, tree=None):
     return {k: med(k) for k in keys} | {"bits": float(rows[-1]["bits_per_element"])}
 
 
-@contextlib.contextmanager
-def worktree(commit):
-    """A temporary checkout of commit whose horovod_gift imports (kernels/ linked in, as the
-    editable install maps it), or None without a commit."""
-    if commit is None:
-        yield None
-        return
-    with tempfile.TemporaryDirectory() as scratch:
-        old = pathlib.Path(scratch) / "tree"
-        subprocess.run(["git", "worktree", "add", "--detach", str(old), commit], cwd=ROOT,
-                       check=True, capture_output=True)
-        try:
-            (old / "horovod_gift" / "kernels").symlink_to(old / "kernels")
-            yield old
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT,
-                           check=True)
-
-
 def main():
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -143,7 +124,7 @@ def main():
     results, labels = {}, list(args.arms)
     if args.before:
         labels += [f"{arm}-before" for arm in args.arms if arm.startswith("gift")]
-    with worktree(args.before) as old:
+    with earlier_tree(args.before) as old:
         for rate in args.rates:
             namespace = f"gift-bw-{os.getpid()}"
             shaped_namespace(namespace, rate)

@@ -26,10 +26,10 @@ import pathlib
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import torch
+from earlier_tree import earlier_tree
 
 from horovod_gift import collective
 from horovod_gift.collective import BucketReduction, Codec, bucket_pieces, fill_buckets
@@ -164,21 +164,13 @@ def measure_all(args):
 
 def measure_commit(commit, args):
     """measure_all's rows for an earlier commit, in a subprocess importing its tree."""
-    with tempfile.TemporaryDirectory() as scratch:
-        old = pathlib.Path(scratch) / "tree"
-        subprocess.run(["git", "worktree", "add", "--detach", str(old), commit], cwd=ROOT,
-                       check=True, capture_output=True)
-        try:
-            (old / "horovod_gift" / "kernels").symlink_to(old / "kernels")
-            command = [sys.executable, __file__, "--json", "--ranks", *map(str, args.ranks),
-                       "--models", *args.models, "--layers", str(args.layers), "--divide",
-                       str(args.divide), "--format", args.format, "--steps", str(args.steps)]
-            done = subprocess.run(command, env=dict(os.environ, PYTHONPATH=str(old)),
-                                  check=True, stdout=subprocess.PIPE)
-            return json.loads(done.stdout)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT,
-                           check=True)
+    with earlier_tree(commit) as old:
+        command = [sys.executable, __file__, "--json", "--ranks", *map(str, args.ranks),
+                   "--models", *args.models, "--layers", str(args.layers), "--divide",
+                   str(args.divide), "--format", args.format, "--steps", str(args.steps)]
+        done = subprocess.run(command, env=dict(os.environ, PYTHONPATH=str(old)), check=True,
+                              stdout=subprocess.PIPE)
+        return json.loads(done.stdout)
 
 
 def ratios(rows):
