@@ -6,7 +6,9 @@ GIFT needs that optimizer's process set and op, so it reads them from the callin
   ps)` call `self._compression.compress(...)`; `self.process_set` and `self.op` are attributes of
   that optimizer (horovod/torch/optimizer.py).
 - `_DistributedAdasumOptimizer` compresses parameter deltas and has `_starting_models`.
-- Sparse gradients (without sparse_as_dense) skip `compress` and reach `decompress(out, None)`.
+- Sparse gradients (without sparse_as_dense) skip `compress` and reach `decompress(out, None)`;
+  with sparse_as_dense, `compress` gets `p.grad.to_dense()`, a new tensor, from a frame whose
+  local `p` is the parameter.
 - `synchronize()` sets `p.grad.set_(decompress(output, ctx))`.
 - `compress` receives `p.grad` itself (GradientNames finds the parameter by identity).
 - A rank in `hvd.join()` contributes zeros to allreduces, the only collective join supports
