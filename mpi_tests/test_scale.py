@@ -47,20 +47,22 @@ def make(model, **options):
 
 def test_second_stages_start_during_backward():
     """Every layer's backward takes 50 ms: the buckets whose alltoall arrived meanwhile have
-    their second stage in flight before backward returns, not after the first decompress."""
+    their second stage in flight before backward returns, not after the first decompress.
+    Asserted after the loop, so that no rank leaves a step another rank is in."""
     model = Stack()
     compression, opt = make(model, format="nvfp4", transform="none")
-    for k in range(3):
+    started = []
+    for k in range(4):
         opt.zero_grad()
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(k + hvd.rank()))
         model(x).square().mean().backward()
-        started = [r.stage for r in compression.current.reductions.values()]
-        assert len(started) == 4
-        # 150 ms of backward after the first bucket's alltoall: it has arrived, oversubscribed
-        # ranks included
-        assert started.count(2) >= 1, f"step {k}: stages after backward {started}"
+        started.append([r.stage for r in compression.current.reductions.values()])
         opt.step()
     assert_identical_on_all_ranks(list(model.parameters()), "parameters")
+    assert all(len(stages) == 4 for stages in started)
+    # step 0 compiles the kernels on first use (seconds on oversubscribed ranks); after it, the
+    # first bucket's alltoall has 150 ms of backward to arrive in
+    assert all(stages.count(2) >= 1 for stages in started[1:]), f"stages after backward {started}"
 
 
 def test_buckets_with_equal_gradients_round_differently():

@@ -43,10 +43,13 @@ if [ "$which" = all ] || [ "$which" = mpi ]; then
     echo "=== mpi_tests/ under mpirun -np $np (every rank runs every test; rank 0 reports) ==="
     run_mpi "$np" mpi_tests
   done
-  # the collective at 8 ranks (oversubscribed here): the suites that run it end to end
-  echo "=== mpi_tests/ (the collective's suites) under mpirun -np 8 ==="
-  run_mpi 8 mpi_tests/test_allreduce.py mpi_tests/test_gift.py mpi_tests/test_scale.py \
-    mpi_tests/test_distributed_optimizer.py
+  # the collective at 8 ranks (oversubscribed here): the tests that run it end to end
+  echo "=== mpi_tests/ (the collective's tests) under mpirun -np 8 ==="
+  run_mpi 8 mpi_tests/test_allreduce.py mpi_tests/test_scale.py \
+    mpi_tests/test_distributed_optimizer.py \
+    mpi_tests/test_gift.py::test_training_matches_fp32_and_parameters_stay_identical \
+    mpi_tests/test_gift.py::test_horovod_options_keep_ranks_identical \
+    mpi_tests/test_gift.py::test_checkpoint_resume_is_bit_identical
 fi
 
 if [ "$which" = all ] || [ "$which" = robustness ]; then
