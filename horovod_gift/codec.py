@@ -163,6 +163,10 @@ class Codec:
         fp32_residual = residual is None or residual.dtype == torch.float32
         stochastic = self.rounding == "stochastic"
         if count and runs_triton(flat) and fp32_residual and maxima is None:
+            for what, t in (("out", out), ("residual", residual)):
+                if t is not None and t.device != flat.device:
+                    raise ValueError(f"Codec.encode_pieces: {what} is on {t.device}, the "
+                                     f"gradient on {flat.device}")
             starts, sizes, offsets, chunks = pieces.on(flat.device)
             amax = quantize_pieces_triton(flat, residual, starts, sizes, offsets,
                                           piece_seeds(seed, chunks, pieces.tensor),
@@ -249,4 +253,6 @@ def piece_seeds(base, chunks, tensor):
     tensor `tensor` of a bucket whose seed is base (collective.mix_seed of the codec's seed,
     step, rank and bucket): distinct for every chunk of a tensor, the same in every process
     and on every device (int64 arithmetic without overflow: base, chunk < 2**31)."""
+    if isinstance(chunks, np.ndarray):
+        chunks = chunks.astype(np.int64, copy=False)
     return (base + chunks * 0x9E3779B1 + tensor * 0x85EBCA77) & 0x7FFFFFFF

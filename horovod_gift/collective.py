@@ -171,7 +171,7 @@ class BucketReduction:
         self.layout = BucketLayout.of(tuple(f.numel() for f in flats), self.n, codec.align, codec)
         self.bytes_sent = 0
         self.wait_seconds = 0.0  # blocked waiting for the communicator
-        self.amax_bounds = []  # Codec.amax_bound of each piece encoded with a residual
+        self.amax_bounds = []  # bounds on each piece encoded with a residual (encode_pieces)
         self.stage = 0          # 1: the alltoall is in flight; 2: the allgather
 
     def _wait(self, handle):

@@ -86,7 +86,8 @@ class LocalGroup:
     tensors are new, as from a network."""
 
     def __init__(self, n):
-        self.n, self.sent, self.calls = n, {}, {}
+        self.n, self.sent, self.calls, self.waited = n, {}, {}, {}
+        self.latest = {}        # name -> what its last waited call gave (for inspection)
 
     def communicators(self):
         return [LocalCommunicator(self, rank) for rank in range(self.n)]
@@ -98,17 +99,30 @@ class LocalGroup:
 
 
 class LocalHandle(Handle):
+    """Once every rank has waited on a call, what was sent for it is dropped."""
+
     def __init__(self, group, key, combine):
-        self.group, self.key, self.combine = group, key, combine
+        self.group, self.key, self.combine, self.result = group, key, combine, None
 
     def poll(self):
-        return all((*self.key, k) in self.group.sent for k in range(self.group.n))
+        return self.result is not None or all((*self.key, k) in self.group.sent
+                                              for k in range(self.group.n))
 
     def wait(self):
+        if self.result is not None:
+            return self.result
+        group, n = self.group, self.group.n
         if not self.poll():
             raise RuntimeError(f"LocalGroup: call {self.key[1]} of {self.key[0]} waited on "
                                "before every rank made it")
-        return self.combine([self.group.sent[(*self.key, k)] for k in range(self.group.n)])
+        self.result = group.latest[self.key[0]] = self.combine(
+            [group.sent[(*self.key, k)] for k in range(n)])
+        waited = group.waited[self.key] = group.waited.get(self.key, 0) + 1
+        if waited == n:
+            del group.waited[self.key]
+            for k in range(n):
+                del group.sent[(*self.key, k)]
+        return self.result
 
 
 class LocalCommunicator(Communicator):

@@ -62,9 +62,10 @@ class ErrorFeedback:
 
     def scrub(self, residuals, amax_bounds):
         """A non-finite gradient must not poison later steps through its residual. amax_bounds:
-        Codec.amax_bound of every encode that updated these residuals. A residual is its
-        encode's input less a dequantized value, both at most about the bound (the largest code
-        times the largest scale), so when every bound is under FINITE_AMAX every residual is
+        bounds on the magnitudes of every encode that updated these residuals (its input's amax,
+        or Codec.amax_bound: the largest code times the largest scale). A residual is its
+        encode's input less a dequantized value, both at most about the bound, so when every
+        bound is under FINITE_AMAX every residual is
         finite and none is read. Otherwise each is summed: a sum is non-finite if any element
         is (or on overflow, where scrubbing changes nothing), and 30x cheaper than isfinite.
         One verdict for all of them (one host sync on a GPU)."""

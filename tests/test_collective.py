@@ -107,3 +107,17 @@ def test_codec_modules_import_without_horovod():
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert "refused: horovod_gift.GIFT needs horovod.torch" in done.stdout
+
+
+def test_local_group_matches_calls_in_order_and_drops_what_all_ranks_received():
+    """Rank 0's second call of a name must wait for rank 1's second, not meet its first (a name
+    is reused every step); once every rank has waited, nothing sent is kept."""
+    zero, one = LocalGroup(2).communicators()
+    first = [c.allreduce_async(torch.tensor([float(c.rank + 1)]), "sum", "step") for c in
+             (zero, one)]
+    assert [float(h.wait()) for h in first] == [3.0, 3.0]
+    assert not zero.group.sent
+    early = zero.allreduce_async(torch.tensor([5.0]), "sum", "step")
+    assert not early.poll(), "met the other rank's earlier call"
+    late = one.allreduce_async(torch.tensor([1.0]), "sum", "step")
+    assert float(early.wait()) == float(late.wait()) == 6.0
