@@ -113,22 +113,21 @@ class Codec:
 
     def split(self, payload, m):
         """(codes, scales, tensor_scale) views of a payload of an m-element piece."""
-        c, s, t = self.layout(m)
-        codes = payload[:c]
-        # pieces start at any byte offset; fp32 views need 4-byte alignment, hence the copies
-        if self.format == "nvfp4":
-            return codes, payload[c : c + s], payload[c + s : c + s + t].clone().view(torch.float32)
-        return codes, payload[c : c + s].clone().view(torch.float32), None
+        codes, scales, tensor_scales = self.split_rows(payload[None], m)
+        return codes[0], scales[0], tensor_scales
 
     def split_rows(self, payloads, m):
-        """split() of every row of payloads (k, payload_bytes(m)): codes (k, c), scales (k, ...)
-        and NVFP4's tensor scales (k,), or None."""
+        """The (codes, scales, tensor scale) of every row of payloads (k, payload_bytes(m)):
+        codes (k, c), scales (k, ...) and NVFP4's tensor scales (k,), or None."""
         c, s, t = self.layout(m)
-        codes = payloads[:, :c]
+        # pieces start at any byte offset; fp32 views need 4-byte alignment, hence the copies
+        def fp32(part):
+            return part.clone(memory_format=torch.contiguous_format).view(torch.float32)
+
         if self.format == "nvfp4":
-            tensor_scales = payloads[:, c + s : c + s + t].contiguous().view(torch.float32)
-            return codes, payloads[:, c : c + s], tensor_scales.reshape(-1)
-        return codes, payloads[:, c : c + s].contiguous().view(torch.float32), None
+            tensor_scales = fp32(payloads[:, c + s : c + s + t])[:, 0]
+            return payloads[:, :c], payloads[:, c : c + s], tensor_scales
+        return payloads[:, :c], fp32(payloads[:, c : c + s]), None
 
     def amax_bound(self, payload, m):
         """The largest magnitude the payload's m-element piece held, to within rounding, read

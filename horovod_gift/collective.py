@@ -18,6 +18,7 @@ A bucket's layout (its pieces, their payload offsets, the alltoall's splits) is 
 per (tensor sizes, ranks, codec) and cached: nothing here is recomputed per step.
 """
 
+import bisect
 import functools
 import time
 import zlib
@@ -72,8 +73,8 @@ class BucketLayout:
         self.sizes, self.n = sizes, n
         self.pieces = []        # per chunk: (tensor index, lo, hi)
         for start, end in chunk_bounds(offsets[-1], n, align):
-            # the tensors overlapping [start, end): a scan from the first that ends after start
-            first = next((i for i in range(len(sizes)) if offsets[i + 1] > start), len(sizes))
+            # the tensors overlapping [start, end), from the one holding start
+            first = max(0, bisect.bisect_right(offsets, start) - 1)
             chunk = []
             for i in range(first, len(sizes)):
                 if offsets[i] >= end:

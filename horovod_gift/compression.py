@@ -173,11 +173,12 @@ class GIFT(Checkpointing, Compressor):
     # ---------------------------------------------------------------- Horovod's interface
     def compress(self, tensor=None):
         _check_instance(self)
-        self._bind(internals.calling_optimizer(self))
+        optimizer, hooked = internals.calling_optimizer(self)
+        self._bind(optimizer)
         t0 = time.perf_counter()
         try:
             with record_function("horovod_gift.compress"):
-                return self._compress(tensor)
+                return self._compress(tensor, hooked)
         finally:
             self.telemetry.add(seconds_in_gift=time.perf_counter() - t0)
 
@@ -205,8 +206,8 @@ class GIFT(Checkpointing, Compressor):
         self.average = optimizer.op == hvd.Average
         self._optimizer = weakref.ref(optimizer)
 
-    def _compress(self, tensor):
-        name = self.grad_names(tensor, lambda: internals.densified_parameter(self))
+    def _compress(self, tensor, hooked):
+        name = self.grad_names(tensor, hooked)
         if not self.current.in_step:
             self._begin_step(tensor.device)
         self.current.outstanding += 1

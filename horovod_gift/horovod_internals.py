@@ -39,27 +39,15 @@ def _frames(frame, depth):
 
 
 def calling_optimizer(compressor):
-    """The Horovod optimizer whose hook is calling `compressor.compress` now, or None (a direct
-    call). Found by the `self` of the calling frames: only an optimizer holds `_compression`."""
+    """(the Horovod optimizer whose hook is calling `compressor.compress` now, or None for a
+    direct call; that hook's parameter `p`, or None). Found by the `self` of the calling frames:
+    only an optimizer holds `_compression`. With sparse_as_dense the tensor compressed is
+    `p.grad.to_dense()`, a new tensor: `p` names it."""
     for frame in _frames(sys._getframe(2), SEARCH_DEPTH):
         caller = frame.f_locals.get("self")
         if caller is not None and getattr(caller, "_compression", None) is compressor:
-            return caller
-    return None
-
-
-def densified_parameter(compressor):
-    """The parameter whose sparse gradient Horovod densified (sparse_as_dense=True) and handed to
-    `compressor.compress` as `p.grad.to_dense()`, a new tensor: the `p` of the calling
-    _allreduce_grad_async, if its gradient is sparse; else None."""
-    # called through GradientNames on a miss: a few frames deeper than calling_optimizer
-    for frame in _frames(sys._getframe(2), 2 * SEARCH_DEPTH):
-        caller = frame.f_locals.get("self")
-        if caller is not None and getattr(caller, "_compression", None) is compressor:
-            p = frame.f_locals.get("p")
-            grad = getattr(p, "grad", None)
-            return p if grad is not None and grad.is_sparse else None
-    return None
+            return caller, frame.f_locals.get("p")
+    return None, None
 
 
 def is_adasum(optimizer):
@@ -151,9 +139,9 @@ class GradientNames:
     def __init__(self, params):
         self.params, self._names = params, {}
 
-    def __call__(self, tensor, densified=lambda: None):
-        """densified(): the parameter whose sparse gradient tensor is a dense copy of, or None
-        (asked only when tensor is no parameter's .grad)."""
+    def __call__(self, tensor, hooked=None):
+        """hooked: the parameter Horovod's hook compresses, or None; when its gradient is sparse,
+        tensor is a dense copy of it (sparse_as_dense)."""
         name = self._names.get(id(tensor))
         if name is not None and self.params[name].grad is tensor:
             return name
@@ -161,9 +149,11 @@ class GradientNames:
         name = self._names.get(id(tensor))
         if name is not None:
             return name
-        p = densified()
-        if p is not None and p.grad.shape == tensor.shape and id(p.grad) in self._names:
-            return self._names[id(p.grad)]
+        grad = getattr(hooked, "grad", None)
+        if grad is not None and grad.is_sparse and grad.shape == tensor.shape:
+            name = self._names.get(id(grad))
+            if name is not None:
+                return name
         raise ValueError(f"GIFT.compress got a tensor of shape {tuple(tensor.shape)} that is not "
                          "the .grad of a parameter of the model given to GIFT(model); pass the "
                          "same model's named_parameters() to hvd.DistributedOptimizer")

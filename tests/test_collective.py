@@ -67,7 +67,10 @@ def test_unequal_chunks_go_through_one_size_allgather_and_agree(fmt, block):
     assert len(set(layout.chunk_bytes)) > 1, "the case needs chunks of different sizes"
     record = []
     results = reduce_on(n, flats, codec, record=record)
-    assert record == [layout.slot] * n
+    # the largest chunk's bytes, from the pieces each chunk holds and each piece's payload size
+    largest = max(sum(codec.payload_bytes(hi - lo) for _, lo, hi in chunk)
+                  for chunk in layout.pieces)
+    assert record == [largest] * n
     for r in range(1, n):
         for mine, theirs in zip(results[r][0], results[0][0]):
             assert torch.equal(mine, theirs)
