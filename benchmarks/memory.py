@@ -1,7 +1,7 @@
 """GIFT's own memory per byte of fp32 parameters, measured on a Llama-shaped model with
 full-width layers (few blocks), and extrapolated per layer to the Llama-3.2-1B and -3.1-8B shapes.
 
-    .venv/bin/python benchmarks/memory.py                   # about 5 minutes on 2 cores
+    .venv/bin/python benchmarks/memory.py                   # about 15 minutes on 2 cores
     .venv/bin/python benchmarks/memory.py --md benchmarks/results/memory.md
 
 Each arm is one `mpirun -np NP` job that trains the same model with SGD for a few steps:
@@ -11,7 +11,9 @@ hooks and factors) with fp32 and with bf16 residuals, and GIFT with transform="n
   statistics + factors, workspaces, the CPU rotation's cached signs), walked from the object;
 - peak: the growth of the process's peak resident memory (ru_maxrss) over the baseline arm's,
   which also counts GIFT's temporaries within a step (payloads, decoded sums, copies);
-- the step time of a statistics-refresh step against a plain step of the same arm.
+- the step time of a statistics-refresh step against a plain step of the same arm;
+- the peak per bucket size: the GIFT arms again with each of --bucket-sizes (the payloads in
+  flight are what a step adds to what GIFT holds).
 All per byte of fp32 parameters, worst rank.
 """
 import argparse
@@ -33,6 +35,7 @@ ARMS = {"horovod fp32": None,
         "gift nvfp4, auto, fp32 residuals": dict(transform="auto", residual_dtype="float32"),
         "gift nvfp4, auto, bf16 residuals": dict(transform="auto", residual_dtype="bfloat16"),
         "gift nvfp4, none, fp32 residuals": dict(transform="none", residual_dtype="float32")}
+DEFAULT_BUCKET = 1 << 22  # GIFT's default bucket_elements
 REFRESH_EVERY = 3       # steps 0, 3, 6 refresh (3, 6 also vote under "auto"); the others are plain
 STEPS = 7
 
@@ -86,7 +89,8 @@ def worker(arm, args):
     if options is not None:
         compression = gift.GIFT(model, format="nvfp4", transform=options["transform"],
                                 residual_dtype=getattr(torch, options["residual_dtype"]),
-                                refresh_every=REFRESH_EVERY, verbose=False)
+                                refresh_every=REFRESH_EVERY, verbose=False,
+                                bucket_elements=args.bucket_elements)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4),
                                    named_parameters=model.named_parameters(),
                                    compression=compression)
@@ -124,10 +128,11 @@ def _distinct(whitening):
     return out
 
 
-def launch(arm, args):
+def launch(arm, args, bucket_elements=DEFAULT_BUCKET):
     command = ["bash", str(ROOT / "scripts/mpirun.sh"), str(args.np), sys.executable, __file__,
-               "--worker", arm] + [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                                   if k in ("dim", "hidden", "layers", "batch", "seq_len")]
+               "--worker", arm, f"--bucket-elements={bucket_elements}"] + [
+        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+        if k in ("dim", "hidden", "layers", "batch", "seq_len")]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -151,7 +156,15 @@ def extrapolate(per_feature, n, residual_bytes):
     return rows
 
 
-def report(results, args):
+def peak_growth(ranks, base, param_bytes):
+    return (max(r["peak_rss"] for r in ranks) - base) / param_bytes
+
+
+def held_in_all(ranks, param_bytes):
+    return sum(max(r["held"][k] for r in ranks) for k in ranks[0]["held"]) / param_bytes
+
+
+def report(results, by_bucket, args):
     base = max(r["peak_rss"] for r in results["horovod fp32"])
     param_bytes = results["horovod fp32"][0]["param_bytes"]
     lines = [f"Model: Llama-shaped, dim {args.dim}, MLP {args.hidden}, {args.layers} blocks, "
@@ -165,7 +178,7 @@ def report(results, args):
         if arm == "horovod fp32":
             continue
         held = {k: max(r["held"][k] for r in ranks) / param_bytes for k in ranks[0]["held"]}
-        peak = (max(r["peak_rss"] for r in ranks) - base) / param_bytes
+        peak = peak_growth(ranks, base, param_bytes)
         refresh = statistics.median(max(r["seconds"][s] for r in ranks) for s in (3, 6))
         plain = statistics.median(max(r["seconds"][s] for r in ranks) for s in (2, 5))
         lines.append(f"| {arm} | " + " | ".join(f"{v:.3f}x" for v in held.values())
@@ -186,6 +199,23 @@ def report(results, args):
             extrapolate(per_feature, args.np, 4), extrapolate(per_feature, args.np, 2)):
         lines.append(f"| {model} | {params / 1e9:.2f}B | {stats:.4f}x | {fp32:.2f}x | "
                      f"{bf16:.2f}x |")
+    sizes = sorted({size for size, _ in by_bucket} | {DEFAULT_BUCKET})
+    lines += ["", "Peak growth over Horovod fp32 by bucket_elements (transient: above what the arm "
+              "holds; target <= 0.25x):", "",
+              "| arm | " + " | ".join(f"{size:,} elements" for size in sizes) + " |",
+              "|---|" + "---|" * len(sizes)]
+    for arm in results:
+        if arm == "horovod fp32":
+            continue
+        cells = []
+        for size in sizes:
+            ranks = results[arm] if size == DEFAULT_BUCKET else by_bucket.get((size, arm))
+            if ranks is None:
+                cells.append("")
+                continue
+            peak = peak_growth(ranks, base, param_bytes)
+            cells.append(f"{peak:.3f}x (transient {peak - held_in_all(ranks, param_bytes):.3f}x)")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -199,15 +229,25 @@ def main():
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--bucket-elements", type=int, default=DEFAULT_BUCKET,
+                   help=argparse.SUPPRESS)   # a worker's
+    p.add_argument("--bucket-sizes", default="1048576,16777216",
+                   help="bucket_elements the GIFT arms also run with (comma-separated; the "
+                   "default size always runs)")
     p.add_argument("--md", default=None, help="also write the report here")
     args = p.parse_args()
     if args.worker:
         return worker(args.worker, args)
-    results = {}
+    results, by_bucket = {}, {}
     for arm in ARMS:
         print(f"running: {arm}", file=sys.stderr, flush=True)
         results[arm] = launch(arm, args)
-    text = report(results, args)
+    for size in [int(s) for s in args.bucket_sizes.split(",") if s]:
+        for arm in ARMS:
+            if ARMS[arm] is not None and size != DEFAULT_BUCKET:
+                print(f"running: {arm}, bucket_elements={size}", file=sys.stderr, flush=True)
+                by_bucket[size, arm] = launch(arm, args, size)
+    text = report(results, by_bucket, args)
     print(text)
     if args.md:
         command = "    .venv/bin/python benchmarks/memory.py " + " ".join(sys.argv[1:])

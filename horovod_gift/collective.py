@@ -173,7 +173,7 @@ class BucketReduction:
         self.bytes_sent = 0
         self.wait_seconds = 0.0  # blocked waiting for the communicator
         self.amax_bounds = []  # bounds on each piece encoded with a residual (encode_pieces)
-        self.stage = 0          # 1: the alltoall is in flight; 2: the allgather
+        self.stage = 0          # 1: the alltoall is in flight; 2: the allgather; 3: finished
 
     def _wait(self, handle):
         t0 = time.perf_counter()
@@ -202,11 +202,15 @@ class BucketReduction:
         return self
 
     def ready(self):
-        """True when the step's next call (exchange() in stage 1) would not wait."""
+        """True when the next call (exchange() in stage 1, finish() in stage 2) would not
+        wait."""
         return self._handle.poll()
 
     def exchange(self):
         received, _ = self._wait(self._handle)
+        self._handle = None     # the alltoall's buffers go as soon as this stage is done
+        if received.is_cuda:    # read by the kernels queued below: no reuse before they ran
+            received.record_stream(torch.cuda.current_stream(received.device))
         sources = received.view(self.n, -1)     # every rank sent this rank's chunk: one size
         mine, slot = self.layout.chunks[self.rank], self.layout.slot
         out = torch.empty(slot, dtype=torch.uint8, device=received.device)
@@ -237,6 +241,8 @@ class BucketReduction:
         over 32 MB costs a page fault per 4 KB (finish() of a 2**24-element tensor on 2 ranks:
         80 -> 28 ms)."""
         gathered = self._wait(self._handle)
+        self._handle = None     # and the allgather's once decoded: not held until the step ends
+        self.stage = 3
         out = self.flats if over_inputs else [torch.empty_like(f) for f in self.flats]
         for i, pieces in enumerate(self.layout.gathered):
             self.codec.decode_pieces(gathered, pieces, out[i])

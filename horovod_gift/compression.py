@@ -12,16 +12,15 @@ synchronize()):
                               with error feedback on both quantization stages
     g_avg = T^{-1}(avg(u))    identical bytes, scales and T on every rank: bit-identical result
 compress returns a one-element placeholder for Horovod's own allreduce and launches the bucket's
-first stage once all its members are in; each later compress starts the second stages of the
-buckets whose first stage has arrived, oldest first, up to the first that has not (never
-waiting), and the first decompress of a step those of the rest. Tensors under `min_elements`,
-sparse gradients and steps in which a rank has called hvd.join() take Horovod's own fp32
-reduction.
+first stage once all its members are in; each later compress moves every bucket whose collective
+has arrived to its next stage (pipeline.py: stage 2 and decoding inside backward, never
+waiting), and the first decompress of a step starts the rest's second stages. Tensors under
+`min_elements`, sparse gradients and steps in which a rank has called hvd.join() take Horovod's
+own fp32 reduction.
 """
 import functools
 import time
 import weakref
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +35,7 @@ from .codec import Codec
 from .collective import BucketReduction, fill_buckets, owned_elements
 from .config import check_arguments
 from .feedback import ErrorFeedback
+from .pipeline import StagePipeline
 from .rotation import HadamardRotation
 from .statistics import WhiteningStatistics
 from .telemetry import Telemetry, logger
@@ -55,10 +55,7 @@ class StepState:
     u: dict = field(default_factory=dict)            # name -> transformed flat gradient
     maxima: dict = field(default_factory=dict)       # name -> its pieces' amax bits, if folded
     shapes: dict = field(default_factory=dict)       # name -> (shape, dtype) of the gradient
-    reductions: dict = field(default_factory=dict)   # bucket -> BucketReduction in flight
-    arriving: deque = field(default_factory=deque)   # reductions whose alltoall is in flight
-    results: dict = field(default_factory=dict)      # bucket -> {name: reduced flat u}
-    exchanged: bool = False               # every bucket's second stage is in flight
+    pipeline: StagePipeline = None        # the step's bucket reductions
 
 
 # The statistics and their forward hooks exist only where a whitening transform can be chosen.
@@ -241,6 +238,7 @@ class GIFT(Checkpointing, Compressor):
             self._second_stage()
             result = self._result(name)
         if self.nonfinite == "raise" and not torch.isfinite(result).all():
+            self._scrub()
             self._reset_step()
             raise FloatingPointError(f"GIFT: the averaged gradient of {name} is not finite "
                                      "(a rank's gradient held NaN or Inf)")
@@ -251,7 +249,7 @@ class GIFT(Checkpointing, Compressor):
 
     # ---------------------------------------------------------------- one step
     def _reset_step(self):
-        self.current = StepState()
+        self.current = StepState(pipeline=StagePipeline(self.buckets, self.telemetry))
 
     def _begin_step(self, device):
         self.current.in_step = True
@@ -314,8 +312,7 @@ class GIFT(Checkpointing, Compressor):
                                     residual1, residual2, average=self.average, step=self.step,
                                     maxima=[self.current.maxima.get(n) for n in names],
                                     key=bucket)
-        self.current.reductions[bucket] = reduction.start()
-        self.current.arriving.append(reduction)
+        self.current.pipeline.start(bucket, reduction)
         self.telemetry.add(payload_bytes=sum(self.codec.payload_bytes(f.numel()) for f in flats))
 
     def _zeros(self, name, dtype):
@@ -324,44 +321,33 @@ class GIFT(Checkpointing, Compressor):
         return torch.zeros(p.numel(), dtype=dtype, device=p.device)
 
     def _progress(self):
-        """Start the second stage of every bucket whose alltoall has arrived, oldest first,
-        without waiting for one that has not: called from each compress, so that stage 2 runs
-        inside backward and only the last buckets' is left when it ends."""
-        arriving = self.current.arriving
-        while arriving and arriving[0].ready():
-            arriving.popleft().exchange()
+        """Move every bucket whose collective has arrived to its next stage (pipeline.py)."""
+        self.current.pipeline.progress()
 
     def _second_stage(self):
-        if self.current.exchanged:
+        pipeline = self.current.pipeline
+        if pipeline.exchanged:
             return
         for bucket in range(len(self.buckets)):     # a bucket whose members Horovod never sent
             members = self.buckets[bucket]
-            if bucket not in self.current.reductions and any(n in self.current.u for n in members):
+            if bucket not in pipeline.reductions and any(n in self.current.u for n in members):
                 self._start(bucket)
-        while self.current.arriving:       # the second stages not started during backward
-            self.current.arriving.popleft().exchange()
+        pipeline.exchange_all()
         self.plan.start_vote()
-        self.current.exchanged = True
+
+    def _scrub(self):
+        """Residuals made non-finite by this step's gradients back to zero: one verdict for every
+        bucket of the step (one host sync on a GPU), before the next step reads them."""
+        if self.feedback:
+            self.feedback.scrub(*self.current.pipeline.residuals())
 
     def _result(self, name):
-        bucket = self.bucket_of[name]
-        if bucket not in self.current.results:
-            reduction = self.current.reductions[bucket]
-            # over the transformed gradients, some of them p.grad itself: Horovod's own
-            # allreduce_async_ writes its result into p.grad too, and sets p.grad to what
-            # decompress returns
-            results = reduction.finish(over_inputs=True)
-            self.current.results[bucket] = dict(zip(self.buckets[bucket], results))
-            self.telemetry.add(bytes_sent=reduction.bytes_sent,
-                               wait_seconds=reduction.wait_seconds)
-            if self.feedback:
-                self.feedback.scrub((reduction.residual1 or []) + [reduction.residual2],
-                                    reduction.amax_bounds)
         shape, dtype = self.current.shapes[name]
-        u = self.current.results[bucket].pop(name)
+        u = self.current.pipeline.finish(self.bucket_of[name]).pop(name)
         return self.plan.inverse(name, u, in_place=True).view(shape).to(dtype)
 
     def _end_step(self):
+        self._scrub()
         self.unhooked.average(self.current.sent, self.average, self.process_set)
         if self.plan.evaluating and not self.current.joined:
             with record_function("horovod_gift.vote"):

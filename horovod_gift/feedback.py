@@ -102,11 +102,16 @@ class ErrorFeedback:
             r.mul_(factor)
 
     def convert(self, name, old_inverse, new_forward):
-        """Re-express r1 of `name` in new coordinates, in place: r1 <- F_new(F_old^-1(r1))."""
+        """Re-express r1 of `name` in new coordinates, in place: r1 <- F_new(F_old^-1(r1)).
+        old_inverse and new_forward (TransformPlan's, with in_place=) map an fp32 r1 over itself
+        and a bf16 one over its fp32 copy: no other temporary the tensor's size."""
         if name in self.stage1:
             residual = self.stage1[name]
-            g = old_inverse(residual.to(torch.float32)).view(self.params[name].shape)
-            residual.copy_(new_forward(g))
+            wide = residual.to(torch.float32)
+            g = old_inverse(wide, in_place=True).view(self.params[name].shape)
+            new = new_forward(g, in_place=True)
+            if new.untyped_storage().data_ptr() != residual.untyped_storage().data_ptr():
+                residual.copy_(new)
 
     def state_dict(self):
         """Host copies: gathered from every rank, GPU tensors would be unpickled onto the GPU

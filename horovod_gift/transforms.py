@@ -95,12 +95,12 @@ class TransformPlan:
         errors = []
         for plan in self.candidates(name):
             u = self.forward(name, g, plan)
-            back = self.inverse(name, codec.decode(codec.encode(u), u.numel()), plan, in_place=True)
-            errors.append(float((back - flat).double().pow(2).sum()))
-        # host metadata for one allreduce of every tensor's errors
-        self._errors[name] = torch.tensor(
-            errors + [0.0] * (4 - len(errors)), dtype=torch.float64, device="cpu"
-        )
+            # decoded over u, which is not read again (unless u is the gradient itself: "none")
+            mine = u.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+            back = codec.decode(codec.encode(u), u.numel(), out=u if mine else None)
+            errors.append(squared_distance(self.inverse(name, back, plan, in_place=True), flat))
+        errors += [errors[0].new_zeros(())] * (4 - len(errors))
+        self._errors[name] = torch.stack(errors)    # on the device: no host sync per tensor
 
     def start_vote(self):
         """Sum every recorded error over ranks: one collective, started once every rank has sent
@@ -108,11 +108,9 @@ class TransformPlan:
         orders)."""
         if self._errors:
             names = sorted(self._errors)
-            self._vote = (
-                names,
-                self.statistics.comm.allreduce_async(
-                    torch.stack([self._errors[n] for n in names]), "sum", "gift.auto"),
-            )
+            # host metadata: one copy off the device for every tensor's errors
+            errors = torch.stack([self._errors[n] for n in names]).to("cpu")
+            self._vote = (names, self.statistics.comm.allreduce_async(errors, "sum", "gift.auto"))
 
     def finish_vote(self):
         """Apply the vote after the step's results were mapped back with the old transforms.
@@ -149,3 +147,18 @@ class TransformPlan:
 
     def load_state_dict(self, state):
         self.choice = dict(state)
+
+
+# Elements per fp64 block of squared_distance: a temporary of 8 MB, whatever the tensor's size.
+DISTANCE_BLOCK = 1 << 20
+
+
+def squared_distance(a, b):
+    """||a - b||^2 summed in fp64 (a 0-d tensor on a's device), a overwritten with a - b: no
+    temporary the size of the tensor (a round trip's error is small against a large gradient,
+    and the vote compares sums of millions of squares)."""
+    diff = a.sub_(b)
+    total = torch.zeros((), dtype=torch.float64, device=a.device)
+    for start in range(0, diff.numel(), DISTANCE_BLOCK):
+        total += diff[start : start + DISTANCE_BLOCK].double().square().sum()
+    return total

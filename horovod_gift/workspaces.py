@@ -14,9 +14,12 @@ _workspaces = threading.local()
 
 
 def workspace(n, device, purpose):
-    """A buffer of n fp32 elements for a temporary of `purpose` (one user at a time each)."""
+    """A buffer of n fp32 elements for a temporary of `purpose` (one user at a time each); on
+    CUDA one per stream too (GIFT's second stages run on a side stream, beside the first)."""
     buffers = _workspaces.__dict__.setdefault("buffers", {})
-    buffer = buffers.get((device, purpose))
+    device = torch.device(device)
+    key = (device, purpose, torch.cuda.current_stream(device) if device.type == "cuda" else None)
+    buffer = buffers.get(key)
     if buffer is None or buffer.numel() < n:
-        buffer = buffers[device, purpose] = torch.empty(n, dtype=torch.float32, device=device)
+        buffer = buffers[key] = torch.empty(n, dtype=torch.float32, device=device)
     return buffer[:n]

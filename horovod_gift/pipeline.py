@@ -1,0 +1,101 @@
+"""One step's bucket reductions, each moved to its next stage as soon as its collective arrives.
+
+A BucketReduction (collective.py) goes start() -> exchange() -> finish(). GIFT's compressor
+starts a bucket once all its gradients are in; every later compress calls progress(), which
+exchanges each bucket whose alltoall has arrived and finishes each bucket whose allgather has,
+oldest first, never waiting: stage 2 and the decoding run inside backward, each bucket's payloads
+are freed as soon as they are read (with every bucket's held until the step's end they came to
+0.2-0.3x of the parameters' bytes), and when backward ends only the last buckets' work is left.
+
+On CUDA the second stages (the owner's decode, fp32 sum and re-encode) run on a side stream of
+the gradient's device, so that their kernels do not queue behind backward's on the current
+stream. Horovod records an operation's ready event on the stream current when it is enqueued
+(the side stream for the allgather of stage 2's bytes), the side stream reads the alltoall's
+output only after waiting for it there, that output is marked as used by the side stream before
+it is freed, and the current stream waits for the side stream before it decodes a result or the
+step's end reads the stage-2 residuals.
+"""
+import contextlib
+import functools
+from collections import deque
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def side_stream(device):
+    """The stream of a CUDA device that second stages run on, made once per device."""
+    return torch.cuda.Stream(device)
+
+
+class StagePipeline:
+    """The reductions of one step: bucket index -> BucketReduction, and their results (bucket ->
+    {name: reduced flat u}). buckets: the parameter names of each bucket; telemetry: adds each
+    finished bucket's bytes sent and seconds waited."""
+
+    def __init__(self, buckets, telemetry):
+        self.buckets, self.telemetry = buckets, telemetry
+        self.reductions, self.results = {}, {}
+        self.arriving = deque()     # reductions whose alltoall is in flight, oldest first
+        self.gathering = deque()    # and those whose allgather is
+        self.exchanged = False      # every started bucket's second stage is in flight
+
+    def start(self, bucket, reduction):
+        self.reductions[bucket] = reduction.start()
+        self.arriving.append(reduction)
+
+    def progress(self):
+        """Exchange every bucket whose alltoall has arrived and finish every bucket whose
+        allgather has, oldest first, up to the first that has not (never waiting)."""
+        while self.arriving and self.arriving[0].ready():
+            self._exchange(self.arriving.popleft())
+        while self.gathering and (self.gathering[0].stage == 3 or self.gathering[0].ready()):
+            self.finish(self.gathering.popleft().key)
+
+    def exchange_all(self):
+        """The second stages not started during backward (waiting for their alltoalls)."""
+        while self.arriving:
+            self._exchange(self.arriving.popleft())
+            self.progress()
+        self.exchanged = True
+
+    def _exchange(self, reduction):
+        device = reduction.flats[0].device
+        with _second_stage_stream(device):
+            reduction.exchange()
+        self.gathering.append(reduction)
+
+    def finish(self, bucket):
+        """The bucket's reduced flat u, decoded over its transformed gradients (some of them
+        p.grad itself: Horovod's own allreduce_async_ writes its result into p.grad too, and sets
+        p.grad to what decompress returns); {name: u}."""
+        if bucket not in self.results:
+            reduction = self.reductions[bucket]
+            _wait_for_second_stages(reduction.flats[0].device)
+            results = reduction.finish(over_inputs=True)
+            self.results[bucket] = dict(zip(self.buckets[bucket], results))
+            self.telemetry.add(bytes_sent=reduction.bytes_sent,
+                               wait_seconds=reduction.wait_seconds)
+        return self.results[bucket]
+
+    def residuals(self):
+        """(every residual this step's encodes updated, bounds on those encodes' magnitudes),
+        for ErrorFeedback.scrub, once the current stream has waited for the second stages."""
+        residuals, bounds = [], []
+        for device in {reduction.flats[0].device for reduction in self.reductions.values()}:
+            _wait_for_second_stages(device)
+        for reduction in self.reductions.values():
+            residuals += (reduction.residual1 or []) + [reduction.residual2]
+            bounds += reduction.amax_bounds
+        return residuals, bounds
+
+
+def _second_stage_stream(device):
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.stream(side_stream(device))
+
+
+def _wait_for_second_stages(device):
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).wait_stream(side_stream(device))
