@@ -10,8 +10,9 @@ run on the CPU:
    and the average, stage-2 quantization with a residual per owned chunk, decode of every owner's
    bytes, inverse transform; 2 steps, so the residuals feed back; FP8 E4M3 (per tensor and per
    32), E5M2 and NVFP4, nearest and stochastic rounding; one bucket of tensors of odd sizes. Each
-   rank runs the library's own TransformPlan and BucketReduction (start, exchange, finish, as
-   GIFT calls them), Horovod's collectives replaced by an in-process exchange (LocalGroup). The
+   rank runs the library's own TransformPlan, BucketReduction and StagePipeline (start,
+   exchange, finish, as GIFT calls them; on CUDA the second stage runs on the pipeline's side
+   stream), Horovod's collectives replaced by an in-process exchange (LocalGroup). The
    transformed gradients, the bytes every rank gathers, every rank's residuals and results must
    equal the CPU's bit for bit, and every rank must end with identical bytes. Whitening is a
    matmul whose last bit depends on the BLAS: the whitened tensor's transformed gradient and
@@ -41,7 +42,9 @@ from horovod_gift.communicator import LocalGroup  # noqa: E402
 from horovod_gift.config import use_kernels  # noqa: E402
 from horovod_gift.geometry import InputWhitening  # noqa: E402
 from horovod_gift.kernels import fp8, fused, hadamard, nvfp4  # noqa: E402
+from horovod_gift.pipeline import StagePipeline  # noqa: E402
 from horovod_gift.rotation import HadamardRotation  # noqa: E402
+from horovod_gift.telemetry import Telemetry  # noqa: E402
 from horovod_gift.transforms import TransformPlan  # noqa: E402
 
 DEVICE = "cuda"
@@ -229,19 +232,21 @@ class SimulatedRanks:
                 for mine in grads]
 
     def reduce(self, flats, step):
-        reductions = []
+        """Every rank's reduced flats, through GIFT's StagePipeline: on CUDA the second stages
+        run on its side stream."""
+        pipelines = []
         for k in range(self.n):
             if self.residual2[k] is None:
                 owned = owned_elements([f.numel() for f in flats[k]], self.n, k, self.codec.align)
                 self.residual2[k] = torch.zeros(owned, device=self.device)
-            reductions.append(BucketReduction("gpu_check", flats[k], self.codec,
-                                              self.comms[k], self.residual1[k],
-                                              self.residual2[k], average=True, step=step))
-        for reduction in reductions:
-            reduction.start()
-        for reduction in reductions:
-            reduction.exchange()
-        return [reduction.finish(over_inputs=True) for reduction in reductions]
+            pipeline = StagePipeline([list(self.shapes)], Telemetry(0))
+            pipeline.start(0, BucketReduction("gpu_check", flats[k], self.codec, self.comms[k],
+                                              self.residual1[k], self.residual2[k],
+                                              average=True, step=step))
+            pipelines.append(pipeline)
+        for pipeline in pipelines:
+            pipeline.exchange_all()
+        return [list(pipeline.finish(0).values()) for pipeline in pipelines]
 
     def gathered(self):
         """The bytes every rank gathered in the last step's allgather."""

@@ -14,7 +14,12 @@ hooks and factors) with fp32 and with bf16 residuals, and GIFT with transform="n
 - the step time of a statistics-refresh step against a plain step of the same arm;
 - the peak per bucket size: the GIFT arms again with each of --bucket-sizes (the payloads in
   flight are what a step adds to what GIFT holds).
-All per byte of fp32 parameters, worst rank.
+All per byte of fp32 parameters, worst rank. Every arm runs with MALLOC_MMAP_THRESHOLD_=131072:
+each tensor over 128 KB is then its own mapping, returned when freed, so the resident memory
+follows the live tensors, as a GPU caching allocator's peak does. With glibc's default (a
+threshold that rises to 32 MB as large blocks are freed) freed tensors stay in the heap and the
+peak depends on the order of allocations: 0.3-0.5x of the parameters' bytes more for the GIFT
+arms, differing from run to run.
 """
 import argparse
 import json
@@ -133,7 +138,7 @@ def launch(arm, args, bucket_elements=DEFAULT_BUCKET):
                "--worker", arm, f"--bucket-elements={bucket_elements}"] + [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
         if k in ("dim", "hidden", "layers", "batch", "seq_len")]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
     out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:

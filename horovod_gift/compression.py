@@ -19,6 +19,7 @@ waiting), and the first decompress of a step starts the rest's second stages. Te
 own fp32 reduction.
 """
 import functools
+import gc
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from .checkpoint import Checkpointing
 from .codec import Codec
 from .collective import BucketReduction, fill_buckets, owned_elements
 from .config import check_arguments
+from horovod_gift.kernels.native import CompileCount
+
 from .feedback import ErrorFeedback
 from .pipeline import StagePipeline
 from .rotation import HadamardRotation
@@ -163,6 +166,7 @@ class GIFT(Checkpointing, Compressor):
         self.start_step, self.grad_scaler = start_step, grad_scaler
         self._scale = None              # the GradScaler's scale the residuals are in
         self.telemetry = Telemetry(log_every)
+        self._compiles_seen = CompileCount.count
         self._reset_step()
         internals.refuse_other_optimizers(self, GIFT)
         weakref.finalize(self, self.statistics.remove_hooks)
@@ -357,6 +361,16 @@ class GIFT(Checkpointing, Compressor):
                                 self.comm.rank == 0)
         self.plan.end_step()
         self._reset_step()
+        self._collect_after_compiles()
+
+    def _collect_after_compiles(self):
+        """A step in which numba compiled a kernel (the first, a refresh step's first round
+        trips) leaves its frames in a reference cycle with every gradient they held (native.py's
+        CompileCount): without a collection here they lived on into later steps, up to 1x the
+        parameters' bytes, until Python's cycle collector happened to run."""
+        if CompileCount.count != self._compiles_seen:
+            self._compiles_seen = CompileCount.count
+            gc.collect()
 
     # ---------------------------------------------------------------- residuals
     def _change_transforms(self, change):

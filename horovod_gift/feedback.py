@@ -91,7 +91,7 @@ class ErrorFeedback:
             r1s = self.first_stage(names)
             offset = 0
             for i, lo, hi in bucket_pieces(sizes, n, self.align)[rank]:
-                r1s[i][lo:hi] += scale * r2[offset:offset + hi - lo]
+                r1s[i][lo:hi].add_(r2[offset:offset + hi - lo], alpha=scale)
                 offset += hi - lo
             r2.zero_()
 

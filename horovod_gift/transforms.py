@@ -92,15 +92,19 @@ class TransformPlan:
         if self.transform != "auto" or not self.evaluating:
             return
         flat = g.detach().reshape(-1).to(torch.float32)
-        errors = []
-        for plan in self.candidates(name):
-            u = self.forward(name, g, plan)
-            # decoded over u, which is not read again (unless u is the gradient itself: "none")
-            mine = u.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
-            back = codec.decode(codec.encode(u), u.numel(), out=u if mine else None)
-            errors.append(squared_distance(self.inverse(name, back, plan, in_place=True), flat))
+        errors = [self._round_trip_error(name, g, flat, plan, codec)
+                  for plan in self.candidates(name)]
         errors += [errors[0].new_zeros(())] * (4 - len(errors))
         self._errors[name] = torch.stack(errors)    # on the device: no host sync per tensor
+
+    def _round_trip_error(self, name, g, flat, plan, codec):
+        """||T^-1(D(Q(T(g)))) - g||^2 for the candidate plan, with one temporary the tensor's
+        size (its own function: a candidate's tensors are freed before the next one's)."""
+        u = self.forward(name, g, plan)
+        # decoded over u, which is not read again (unless u is the gradient itself: "none")
+        mine = u.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+        back = codec.decode(codec.encode(u), u.numel(), out=u if mine else None)
+        return squared_distance(self.inverse(name, back, plan, in_place=True), flat)
 
     def start_vote(self):
         """Sum every recorded error over ranks: one collective, started once every rank has sent

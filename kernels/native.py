@@ -29,12 +29,29 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+from numba.core import event
 
 from .hadamard import normalizer
 from .native_decode import DECODE_TILE, FP8_ACCUMULATE, FP8_TILE, NVFP4_ACCUMULATE
 from .native_quantize import AMAX, AMAX_TILE, CHUNK, CHUNK_BLOCKS, FP8_QUANTIZE, NVFP4_QUANTIZE
 from .native_rotate import ROTATE
 from .native_scalars import E2M1, E4M3, F0, FP8_FORMATS, INF_BITS, NVFP4_BLOCK
+
+class CompileCount(event.Listener):
+    """How many functions numba has compiled in this process (`count`). A compilation leaves its
+    callers' frames, and the tensors they hold, in a reference cycle (a typing error it caught)
+    that only Python's cycle collector frees: GIFT collects after a step that compiled."""
+
+    count = 0
+
+    def on_start(self, event):
+        pass
+
+    def on_end(self, event):
+        CompileCount.count += 1
+
+
+event.register("numba:compile", CompileCount())
 
 # Below this many elements a tensor runs on the calling thread: a thread hand-off costs ~20 us.
 THREAD_MIN_ELEMENTS = 1 << 18

@@ -11,6 +11,8 @@ import torch
 from horovod_gift.codec import Codec
 from horovod_gift.collective import BucketLayout, BucketReduction, fill_buckets
 from horovod_gift.communicator import Handle, LocalGroup
+from horovod_gift.pipeline import StagePipeline
+from horovod_gift.telemetry import Telemetry
 
 
 class Recording:
@@ -135,6 +137,33 @@ def test_a_bucket_frees_each_stage_payloads_as_soon_as_it_has_read_them():
     assert all(len(c.gathered) == 1 and c.gathered[0]() is None for c in comms), \
         "the allgather's payloads outlive finish()"
     assert torch.equal(results[0][0], results[1][0])
+
+
+def test_a_pipeline_moves_each_bucket_on_as_its_collectives_arrive_and_never_waits():
+    """progress() exchanges a bucket once its alltoall is there and finishes it once its
+    allgather is, without waiting (a LocalGroup raises on a wait before every rank has made the
+    call); the results are those of the reduction driven stage by stage."""
+    n, g = 2, torch.Generator().manual_seed(0)
+    flats = [[torch.randn(3000, generator=g)] for _ in range(n)]
+    codec = Codec("nvfp4")
+    comms = LocalGroup(n).communicators()
+    pipelines = [StagePipeline([["w"]], Telemetry(0)) for _ in range(n)]
+
+    def stages():
+        return [p.reductions[0].stage if 0 in p.reductions else 0 for p in pipelines]
+
+    for rank in range(n):
+        pipelines[rank].start(0, BucketReduction("b0", [flats[rank][0].clone()], codec,
+                                                 comms[rank]))
+        pipelines[rank].progress()
+    assert stages() == [1, 2], "rank 1's alltoall had arrived when it made progress"
+    pipelines[0].progress()
+    assert stages() == [3, 2], "rank 1 had sent its allgather: rank 0 can finish"
+    pipelines[1].progress()
+    assert stages() == [3, 3]
+    expected = reduce_on(n, flats, codec)
+    for rank in range(n):
+        assert torch.equal(pipelines[rank].finish(0)["w"], expected[rank][0][0])
 
 
 def test_a_bucket_layout_is_computed_once():

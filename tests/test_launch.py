@@ -102,3 +102,33 @@ def test_a_hung_collective_ends_the_job_at_the_per_test_timeout(tmp_path):
     assert "Timeout" in output and "test_ranks_wait_for_different_collectives" in output, output[
         -2000:
     ]
+
+
+def test_no_step_leaves_its_gradients_alive_in_a_cycle(tmp_path):
+    """A fresh process compiles numba kernels in its first steps, and a compilation leaves its
+    callers' frames (and the gradients they hold) in a reference cycle: without GIFT's collection
+    after such a step, step 0's reductions outlived it (1x the parameters' bytes on CPU) until
+    Python's cycle collector ran, which it never does here (disabled)."""
+    script = tmp_path / "cycle.py"
+    script.write_text(
+        "import gc, sys, weakref, torch, horovod.torch as hvd, horovod_gift as gift\n"
+        "hvd.init()\n"
+        "gc.disable()\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(),\n"
+        "                            torch.nn.Linear(64, 64))\n"
+        "compression = gift.GIFT(model, transform='auto', refresh_every=2, verbose=False)\n"
+        "opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),\n"
+        "    named_parameters=model.named_parameters(), compression=compression)\n"
+        "steps = []\n"
+        "for step in range(4):\n"
+        "    opt.zero_grad()\n"
+        "    model(torch.randn(8, 64)).square().mean().backward()\n"
+        "    steps.append(weakref.ref(compression.current.pipeline))\n"
+        "    opt.step()\n"
+        "alive = [k for k, ref in enumerate(steps) if ref() is not None]\n"
+        "print('ALIVE', alive, flush=True)\n"
+        "sys.exit(1 if alive else 0)\n"
+    )
+    result = mpirun(2, str(script), timeout=180)
+    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
