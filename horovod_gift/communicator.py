@@ -87,15 +87,29 @@ class LocalGroup:
 
     def __init__(self, n):
         self.n, self.sent, self.calls, self.waited = n, {}, {}, {}
+        self.ready = {}         # (name, call, rank) -> ready_event of what was sent
         self.latest = {}        # name -> what its last waited call gave (for inspection)
 
     def communicators(self):
         return [LocalCommunicator(self, rank) for rank in range(self.n)]
 
     def post(self, name, rank, value, combine):
+        """value: the tensor (or tuple of tensors) rank sends, copied on the current stream."""
         call = self.calls[name, rank] = self.calls.get((name, rank), 0) + 1
         self.sent[name, call, rank] = value
+        self.ready[name, call, rank] = ready_event(value)
         return LocalHandle(self, (name, call), combine)
+
+
+def ready_event(value):
+    """On CUDA, (an event recorded after the kernels that made value, its device), as Horovod
+    records one on the current stream when a collective is enqueued; None on the CPU."""
+    first = value[0] if isinstance(value, (tuple, list)) else value
+    if not first.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(first.device))
+    return event, first.device
 
 
 class LocalHandle(Handle):
@@ -115,13 +129,18 @@ class LocalHandle(Handle):
         if not self.poll():
             raise RuntimeError(f"LocalGroup: call {self.key[1]} of {self.key[0]} waited on "
                                "before every rank made it")
+        for k in range(n):   # the stream that combines waits for every sender's copy
+            ready = group.ready[(*self.key, k)]
+            if ready is not None:
+                event, device = ready
+                torch.cuda.current_stream(device).wait_event(event)
         self.result = group.latest[self.key[0]] = self.combine(
             [group.sent[(*self.key, k)] for k in range(n)])
         waited = group.waited[self.key] = group.waited.get(self.key, 0) + 1
         if waited == n:
             del group.waited[self.key]
             for k in range(n):
-                del group.sent[(*self.key, k)]
+                del group.sent[(*self.key, k)], group.ready[(*self.key, k)]
         return self.result
 
 
