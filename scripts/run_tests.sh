@@ -16,7 +16,8 @@ failed=()
 
 if [ "$which" = all ] || [ "$which" = unit ]; then
   echo "=== tests/ (single process) ==="
-  OMP_NUM_THREADS=2 "$PY" -m pytest tests -q
+  # two workers of one thread each: most of the time is the Triton interpreter, one core each
+  OMP_NUM_THREADS=1 "$PY" -m pytest tests -q -n 2
   rc=$?
   # pytest exit 5 means no test was collected: that is a failure of the suite, not a pass.
   [ $rc -eq 0 ] || failed+=("tests/ (pytest exit $rc)")
