@@ -43,7 +43,7 @@ def shaped_namespace(name, rate):
 
 
 def run_arm(namespace, arm, args, out_dir, rate, tree=None):
-    """One 2-rank run; tree: another tree's horovod_gift on PYTHONPATH."""
+    """One run on args.np ranks; tree: another tree's horovod_gift on PYTHONPATH."""
     label = arm if tree is None else f"{arm}-before"
     csv_path = out_dir / f"{rate}-{label}.csv"
     command = [
@@ -53,7 +53,7 @@ def run_arm(namespace, arm, args, out_dir, rate, tree=None):
         namespace,
         "mpirun",
         "-np",
-        "2",
+        str(args.np),
         "--allow-run-as-root",
         "--oversubscribe",
         "--bind-to",
@@ -107,6 +107,7 @@ def main():
     p.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "10gbit"])
     p.add_argument("--arms", nargs="+", default=ARMS)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--np", type=int, default=2, help="ranks, all behind the one shaped loopback")
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--before", help="an earlier commit whose library runs the GIFT arms too")
@@ -143,9 +144,9 @@ def main():
     lines = [
         f"# Step time on a bandwidth-capped link ({time.strftime('%Y-%m-%d')})",
         "",
-        f"examples/train_llama.py ({params}, batch 4 x 64 bytes per rank), 2 ranks in one "
+        f"examples/train_llama.py ({params}, batch 4 x 64 bytes per rank), {args.np} ranks in one "
         "network namespace whose loopback (MTU 1500) is shaped by `tc qdisc tbf`; MPI on TCP over "
-        "that loopback; both ranks' traffic "
+        "that loopback; every rank's traffic "
         f"shares the one filter. Medians over steps 2..{args.steps}. Command: `.venv/bin/python "
         f"benchmarks/bandwidth.py {' '.join(sys.argv[1:])}` (as root). After backward: from "
         "backward's end (the last gradient's hook) to the end of the optimizer's step"

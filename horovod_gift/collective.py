@@ -242,6 +242,8 @@ class BucketReduction:
         80 -> 28 ms)."""
         gathered = self._wait(self._handle)
         self._handle = None     # and the allgather's once decoded: not held until the step ends
+        if gathered.is_cuda:    # allocated by the engine, read on this stream
+            gathered.record_stream(torch.cuda.current_stream(gathered.device))
         self.stage = 3
         out = self.flats if over_inputs else [torch.empty_like(f) for f in self.flats]
         for i, pieces in enumerate(self.layout.gathered):

@@ -136,6 +136,11 @@ class LocalHandle(Handle):
                 torch.cuda.current_stream(device).wait_event(event)
         self.result = group.latest[self.key[0]] = self.combine(
             [group.sent[(*self.key, k)] for k in range(n)])
+        for k in range(n):   # the senders' copies must outlive this stream's reads of them
+            if group.ready[(*self.key, k)] is not None:
+                sent = group.sent[(*self.key, k)]
+                for tensor in sent if isinstance(sent, (tuple, list)) else [sent]:
+                    tensor.record_stream(torch.cuda.current_stream(tensor.device))
         waited = group.waited[self.key] = group.waited.get(self.key, 0) + 1
         if waited == n:
             del group.waited[self.key]

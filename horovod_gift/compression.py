@@ -35,9 +35,8 @@ from .checkpoint import Checkpointing
 from .codec import Codec
 from .collective import BucketReduction, fill_buckets, owned_elements
 from .config import check_arguments
-from horovod_gift.kernels.native import CompileCount
-
 from .feedback import ErrorFeedback
+from .kernels.native import CompileCount
 from .pipeline import StagePipeline
 from .rotation import HadamardRotation
 from .statistics import WhiteningStatistics

@@ -1,6 +1,8 @@
 """Horovod as GIFT's engine: the Communicator (communicator.py) over a Horovod process set, and
 the quantized allreduce of one tensor. The GIFT compressor (compression.py) is the frontend
 Horovod's DistributedOptimizer calls."""
+import os
+
 import horovod.torch as hvd
 import torch
 
@@ -9,6 +11,11 @@ from .collective import BucketReduction, name_key
 from .communicator import Communicator, Handle
 
 HOROVOD_OPS = {"sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}
+
+
+# With it, Horovod's completion of a GPU operation makes the device's default stream wait for it
+# instead of the host: a result read on another stream (GIFT's side stream) must wait there too.
+ASYNC_COMPLETION = os.environ.get("HOROVOD_ENABLE_ASYNC_COMPLETION", "0") not in ("", "0")
 
 
 class HorovodHandle(Handle):
@@ -21,6 +28,10 @@ class HorovodHandle(Handle):
     def wait(self):
         if not self._done:
             self._result, self._done = hvd.synchronize(self.handle), True
+            first = self._result[0] if isinstance(self._result, tuple) else self._result
+            if ASYNC_COMPLETION and first.is_cuda:
+                current = torch.cuda.current_stream(first.device)
+                current.wait_stream(torch.cuda.default_stream(first.device))
         return self._result
 
 

@@ -10,12 +10,12 @@ are freed as soon as they are read (with every bucket's held until the step's en
 On CUDA the second stages (the owner's decode, fp32 sum and re-encode) run on a side stream of
 the gradient's device, so that their kernels do not queue behind backward's on the current
 stream. Horovod records an operation's ready event on the stream current when it is enqueued
-(the side stream for the allgather of stage 2's bytes), the side stream reads the alltoall's
-output only after waiting for it there, that output is marked as used by the side stream before
-it is freed, and the current stream waits for the side stream before it decodes a result or the
-step's end reads the stage-2 residuals.
+(the side stream for the allgather of stage 2's bytes); the alltoall's output is read on the
+side stream once the handle's wait() returned there (Horovod's completion: the host waited for
+the operation) and is marked as used by the side stream before it is freed; the current stream
+waits for a bucket's second stage (an event recorded after it) before it decodes that bucket,
+and for the whole side stream before the step's end reads the stage-2 residuals.
 """
-import contextlib
 import functools
 from collections import deque
 
@@ -36,34 +36,40 @@ class StagePipeline:
     def __init__(self, buckets, telemetry):
         self.buckets, self.telemetry = buckets, telemetry
         self.reductions, self.results = {}, {}
-        self.arriving = deque()     # reductions whose alltoall is in flight, oldest first
+        self.arriving = deque()     # (bucket, reduction) whose alltoall is in flight, oldest first
         self.gathering = deque()    # and those whose allgather is
+        self.exchanged_events = {}  # CUDA: bucket -> an event after its second stage
         self.exchanged = False      # every started bucket's second stage is in flight
 
     def start(self, bucket, reduction):
         self.reductions[bucket] = reduction.start()
-        self.arriving.append(reduction)
+        self.arriving.append((bucket, reduction))
 
     def progress(self):
         """Exchange every bucket whose alltoall has arrived and finish every bucket whose
         allgather has, oldest first, up to the first that has not (never waiting)."""
-        while self.arriving and self.arriving[0].ready():
-            self._exchange(self.arriving.popleft())
-        while self.gathering and (self.gathering[0].stage == 3 or self.gathering[0].ready()):
-            self.finish(self.gathering.popleft().key)
+        while self.arriving and self.arriving[0][1].ready():
+            self._exchange(*self.arriving.popleft())
+        while self.gathering and (self.gathering[0][1].stage == 3 or self.gathering[0][1].ready()):
+            self.finish(self.gathering.popleft()[0])
 
     def exchange_all(self):
         """The second stages not started during backward (waiting for their alltoalls)."""
         while self.arriving:
-            self._exchange(self.arriving.popleft())
+            self._exchange(*self.arriving.popleft())
             self.progress()
         self.exchanged = True
 
-    def _exchange(self, reduction):
+    def _exchange(self, bucket, reduction):
         device = reduction.flats[0].device
-        with _second_stage_stream(device):
+        if device.type == "cuda":
+            with torch.cuda.stream(side_stream(device)):
+                reduction.exchange()
+                event = self.exchanged_events[bucket] = torch.cuda.Event()
+                event.record()
+        else:
             reduction.exchange()
-        self.gathering.append(reduction)
+        self.gathering.append((bucket, reduction))
 
     def finish(self, bucket):
         """The bucket's reduced flat u, decoded over its transformed gradients (some of them
@@ -71,7 +77,12 @@ class StagePipeline:
         p.grad to what decompress returns); {name: u}."""
         if bucket not in self.results:
             reduction = self.reductions[bucket]
-            _wait_for_second_stages(reduction.flats[0].device)
+            if reduction.stage == 1:    # not exchanged yet: its second stage first
+                self.arriving.remove((bucket, reduction))
+                self._exchange(bucket, reduction)
+            if bucket in self.exchanged_events:
+                device = reduction.flats[0].device
+                torch.cuda.current_stream(device).wait_event(self.exchanged_events[bucket])
             results = reduction.finish(over_inputs=True)
             self.results[bucket] = dict(zip(self.buckets[bucket], results))
             self.telemetry.add(bytes_sent=reduction.bytes_sent,
@@ -88,12 +99,6 @@ class StagePipeline:
             residuals += (reduction.residual1 or []) + [reduction.residual2]
             bounds += reduction.amax_bounds
         return residuals, bounds
-
-
-def _second_stage_stream(device):
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    return torch.cuda.stream(side_stream(device))
 
 
 def _wait_for_second_stages(device):

@@ -37,6 +37,7 @@ from .native_quantize import AMAX, AMAX_TILE, CHUNK, CHUNK_BLOCKS, FP8_QUANTIZE,
 from .native_rotate import ROTATE
 from .native_scalars import E2M1, E4M3, F0, FP8_FORMATS, INF_BITS, NVFP4_BLOCK
 
+
 class CompileCount(event.Listener):
     """How many functions numba has compiled in this process (`count`). A compilation leaves its
     callers' frames, and the tensors they hold, in a reference cycle (a typing error it caught)

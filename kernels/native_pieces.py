@@ -21,6 +21,12 @@ from .native_scalars import E2M1, E4M3, F0, F1, FP8_FORMATS, INF_BITS, KERNEL, N
 
 NVFP4_DIVISOR = np.float32(E2M1[3] * E4M3[3])   # a tensor scale is amax / (6 * 448)
 
+# The drivers call kernels held in closure cells, and numba's on-disk cache keys a function by its
+# pickled closure, which holds those dispatchers' per-process ids: every process missed the cache
+# and wrote a new entry (hundreds of MB over many runs). They are loops around the cached
+# kernels, compiled in each process instead.
+DRIVER = dict(KERNEL, cache=False)
+
 
 def make_encode_pieces(fmt_name, per_tensor, feedback_mode, stochastic):
     """encode(x, r, starts, ends, out, offsets, terms, maxima, found, block): terms, each piece's
@@ -36,7 +42,7 @@ def make_encode_pieces(fmt_name, per_tensor, feedback_mode, stochastic):
         quantize = FP8_QUANTIZE[feedback_mode, stochastic, per_tensor, fmt_name]
         largest = FP8_FORMATS[fmt_name][3]
 
-    @njit(**KERNEL)
+    @njit(**DRIVER)
     def encode(x, r, starts, ends, out, offsets, terms, maxima, found, block):
         box = np.empty(1, np.int32)         # bit casts of one value through an array
         for p in range(starts.size):
@@ -76,7 +82,7 @@ def make_decode_pieces(fmt_name, per_tensor):
     else:
         kernel = FP8_ACCUMULATE[False, None, per_tensor, fmt_name]
 
-    @njit(**KERNEL)
+    @njit(**DRIVER)
     def decode(buf, offsets, starts, ends, out, block):
         tensor_scale = np.empty(1, np.float32)
         for p in range(starts.size):

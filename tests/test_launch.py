@@ -112,6 +112,7 @@ def test_no_step_leaves_its_gradients_alive_in_a_cycle(tmp_path):
     script = tmp_path / "cycle.py"
     script.write_text(
         "import gc, sys, weakref, torch, horovod.torch as hvd, horovod_gift as gift\n"
+        "from horovod_gift.kernels.native import CompileCount\n"
         "hvd.init()\n"
         "gc.disable()\n"
         "torch.manual_seed(0)\n"
@@ -127,8 +128,8 @@ def test_no_step_leaves_its_gradients_alive_in_a_cycle(tmp_path):
         "    steps.append(weakref.ref(compression.current.pipeline))\n"
         "    opt.step()\n"
         "alive = [k for k, ref in enumerate(steps) if ref() is not None]\n"
-        "print('ALIVE', alive, flush=True)\n"
-        "sys.exit(1 if alive else 0)\n"
+        "print('ALIVE', alive, 'COMPILED', CompileCount.count, flush=True)\n"
+        "sys.exit(1 if alive or not CompileCount.count else 0)\n"
     )
     result = mpirun(2, str(script), timeout=180)
     assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-2000:]}"

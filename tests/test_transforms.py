@@ -67,7 +67,17 @@ def test_a_change_of_basis_maps_the_residual_over_itself(dtype):
     wide = residual.float()
     old = plan.inverse("w", wide.clone(), "whiten").view(OUT, IN)
     expected = plan.forward("w", old, "hadamard").to(dtype)
-    feedback.convert("w", lambda u, **kw: plan.inverse("w", u, "whiten", **kw),
-                     lambda g, **kw: plan.forward("w", g, "hadamard", **kw))
+    calls = []
+
+    def old_inverse(u, **options):
+        calls.append(options)
+        return plan.inverse("w", u, "whiten", **options)
+
+    def new_forward(g, **options):
+        calls.append(options)
+        return plan.forward("w", g, "hadamard", **options)
+
+    feedback.convert("w", old_inverse, new_forward)
+    assert calls == [{"in_place": True}] * 2, "a map made a temporary the tensor's size"
     assert feedback.stage1["w"].untyped_storage().data_ptr() == storage
     assert torch.equal(feedback.stage1["w"], expected)
