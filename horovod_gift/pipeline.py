@@ -94,13 +94,9 @@ class StagePipeline:
         for ErrorFeedback.scrub, once the current stream has waited for the second stages."""
         residuals, bounds = [], []
         for device in {reduction.flats[0].device for reduction in self.reductions.values()}:
-            _wait_for_second_stages(device)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).wait_stream(side_stream(device))
         for reduction in self.reductions.values():
             residuals += (reduction.residual1 or []) + [reduction.residual2]
             bounds += reduction.amax_bounds
         return residuals, bounds
-
-
-def _wait_for_second_stages(device):
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).wait_stream(side_stream(device))
