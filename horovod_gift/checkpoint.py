@@ -13,6 +13,7 @@ from horovod_gift.kernels.hadamard import LANES
 
 from .feedback import ErrorFeedback
 from .telemetry import logger
+from .topology import owned_pieces
 
 
 class Checkpointing:
@@ -51,7 +52,12 @@ class Checkpointing:
         self.statistics.load_local_state_dict(saved["statistics"])
         self._scale = saved["grad_scale"]
         if self.feedback:
-            self.feedback.load_state_dict(saved["feedback"],
+            feedback, topology = saved["feedback"], saved.get("topology", ("flat",))
+            if topology != self.topology.description:   # its r2 covers other parts: into r1
+                feedback = self.feedback.fold_saved(
+                    feedback, lambda sizes: owned_pieces(topology, sizes, me, n, self.codec),
+                    n if self.average else 1)
+            self.feedback.load_state_dict(feedback,
                                           lambda k: self.params[self.buckets[k][0]].device)
 
     def reset_rank_state(self):
@@ -67,7 +73,9 @@ class Checkpointing:
     def _check_ranks_agree(self):
         """Collective, at the first step and the first after load_state_dict: every rank raises
         the same error if the configuration, the model's parameters or the step count differ."""
-        configs = self.comm.allgather_object(dict(self.config(), step=self.step), "gift.config")
+        configs = self.comm.allgather_object(
+            dict(self.config(), step=self.step, topology=self.topology.description),
+            "gift.config")
         if all(c == configs[0] for c in configs):
             return
         diff = sorted({k for c in configs for k in c if c.get(k) != configs[0].get(k)})
@@ -95,7 +103,8 @@ class Checkpointing:
                 "feedback": (self.feedback.state_dict() if self.feedback
                              else ErrorFeedback.empty_state()),
                 "statistics": self.statistics.local_state_dict(),
-                "grad_scale": self._scale}          # the residuals' units
+                "grad_scale": self._scale,          # the residuals' units
+                "topology": self.topology.description}     # the parts r2 covers
         return state
 
     def load_state_dict(self, state):

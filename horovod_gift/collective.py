@@ -155,15 +155,27 @@ def name_key(name):
     return zlib.crc32(name.encode())
 
 
+def timed_wait(handle):
+    """(handle.wait()'s result, the seconds it blocked)."""
+    t0 = time.perf_counter()
+    out = handle.wait()
+    return out, time.perf_counter() - t0
+
+
 class BucketReduction:
     """One quantized reduction of a list of flat fp32 tensors over comm (a Communicator):
     start() -> exchange() -> finish(). key: an integer naming the bucket in the stochastic
     rounding's seeds (every bucket draws its own noise)."""
 
+    final_stage = 2     # finish() reads the collective in flight in this stage
+
     def __init__(self, name, flats, codec, comm, residual1=None, residual2=None, average=True,
-                 step=0, maxima=None, key=0):
+                 step=0, maxima=None, key=0, divisor=None):
         self.name, self.flats, self.codec, self.comm = name, flats, codec, comm
-        self.residual1, self.residual2, self.average = residual1, residual2, average
+        self.residual1, self.residual2 = residual1, residual2
+        # the owner's fp32 sum is divided by this: the ranks for an average (a two-hop reduction
+        # over nodes passes every rank of every node), 1 for a sum
+        self.divisor = divisor or (comm.size if average else 1)
         self.step, self.key = step, key
         # per flat, None or its pieces' largest magnitude_bits: the flat then holds u + r1
         # (TransformPlan.forward_folded), and r1 is only written
@@ -176,9 +188,8 @@ class BucketReduction:
         self.stage = 0          # 1: the alltoall is in flight; 2: the allgather; 3: finished
 
     def _wait(self, handle):
-        t0 = time.perf_counter()
-        out = handle.wait()
-        self.wait_seconds += time.perf_counter() - t0
+        out, seconds = timed_wait(handle)
+        self.wait_seconds += seconds
         return out
 
     def _bound(self, payload, m, residual):
@@ -222,7 +233,7 @@ class BucketReduction:
             payload = self.codec.reduce_encode(
                 sources[:, piece.start : piece.end],
                 m,
-                self.n if self.average else 1,
+                self.divisor,
                 residual,
                 mix_seed(self.codec.seed, self.step, self.rank, self.key, i, 2),
                 sum_out=workspace(m, received.device, "sum"),
@@ -235,16 +246,21 @@ class BucketReduction:
         self.stage = 2
         return self
 
+    def gathered(self):
+        """The allgather's bytes, identical on every rank: every owner's slot in rank order."""
+        gathered = self._wait(self._handle)
+        self._handle = None     # and the allgather's once read: not held until the step ends
+        if gathered.is_cuda:    # allocated by the engine, read on this stream
+            gathered.record_stream(torch.cuda.current_stream(gathered.device))
+        self.stage = 3
+        return gathered
+
     def finish(self, over_inputs=False):
         """The reduced tensors, flat fp32, identical on every rank. over_inputs: written over the
         input tensors, whose values start() has sent, instead of new ones: on CPU a new tensor of
         over 32 MB costs a page fault per 4 KB (finish() of a 2**24-element tensor on 2 ranks:
         80 -> 28 ms)."""
-        gathered = self._wait(self._handle)
-        self._handle = None     # and the allgather's once decoded: not held until the step ends
-        if gathered.is_cuda:    # allocated by the engine, read on this stream
-            gathered.record_stream(torch.cuda.current_stream(gathered.device))
-        self.stage = 3
+        gathered = self.gathered()
         out = self.flats if over_inputs else [torch.empty_like(f) for f in self.flats]
         for i, pieces in enumerate(self.layout.gathered):
             self.codec.decode_pieces(gathered, pieces, out[i])

@@ -30,10 +30,10 @@ from horovod.torch.compression import Compressor
 from torch.profiler import record_function
 
 from . import horovod_internals as internals
-from .horovod_frontend import HorovodCommunicator
+from .horovod_frontend import HorovodCommunicator, horovod_topology
 from .checkpoint import Checkpointing
 from .codec import Codec
-from .collective import BucketReduction, fill_buckets, owned_elements
+from .collective import fill_buckets
 from .config import check_arguments
 from .feedback import ErrorFeedback
 from .kernels.native import CompileCount
@@ -41,6 +41,7 @@ from .pipeline import StagePipeline
 from .rotation import HadamardRotation
 from .statistics import WhiteningStatistics
 from .telemetry import Telemetry, logger
+from .topology import Flat
 from .transforms import TransformPlan
 
 HOROVOD_DTYPES = (torch.float16, torch.float32, torch.float64)
@@ -117,13 +118,13 @@ class GIFT(Checkpointing, Compressor):
                  stat_window=STAT_WINDOW,
                  hadamard_block=128, nonfinite="nan", process_set=None,
                  residual_dtype=torch.float32, start_step=0, grad_scaler=None, log_every=0,
-                 verbose=True):
+                 topology="auto", node_size=None, verbose=True):
         if not hvd.is_initialized():
             raise RuntimeError("GIFT: call hvd.init() before creating GIFT(model, ...)")
         check_arguments(model, format, block_size, rounding, transform, nonfinite, damping,
                         start_step, grad_scaler, residual_dtype,
-                        refresh_every=refresh_every, stat_window=stat_window,
-                        whitening_rank=whitening_rank)
+                        topology, node_size, refresh_every=refresh_every,
+                        stat_window=stat_window, whitening_rank=whitening_rank)
         try:
             rotation = HadamardRotation(hadamard_block, seed)
         except ValueError:
@@ -139,6 +140,8 @@ class GIFT(Checkpointing, Compressor):
         self.requested_process_set = process_set
         self.process_set = process_set or hvd.global_process_set
         self.comm = HorovodCommunicator(self.process_set)
+        self.topology_request = topology
+        self.topology = horovod_topology(topology, node_size, process_set)
         self.average = True             # op=hvd.Average; hvd.Sum sets it False
         self._optimizer = None          # weak reference to the Horovod optimizer served
         # Parameters frozen now and trained later take an fp32 path: buckets must not wait for them.
@@ -203,6 +206,13 @@ class GIFT(Checkpointing, Compressor):
         internals.check_optimizer(optimizer, self.requested_process_set, serving)
         self.process_set = optimizer.process_set
         self.comm = self.statistics.comm = HorovodCommunicator(self.process_set)
+        if self.process_set.process_set_id != self.topology.comm.process_set.process_set_id:
+            if self.topology_request == "two-hop":
+                raise ValueError("GIFT: topology='two-hop' reduces over every rank (Horovod's "
+                                 "global process set), but hvd.DistributedOptimizer reduces over "
+                                 f"{internals.describe_process_set(self.process_set)}; use "
+                                 "topology='flat'")
+            self.topology = Flat(self.comm)
         self.average = optimizer.op == hvd.Average
         self._optimizer = weakref.ref(optimizer)
 
@@ -220,11 +230,17 @@ class GIFT(Checkpointing, Compressor):
             self._progress()
             return plain, ("plain", name, tensor.dtype)
         self.plan.record(name, tensor, self.codec)
-        if self.feedback and self.feedback.dtype == torch.float32 and self.plan.folds(name, tensor):
+        if (self.feedback and self.feedback.dtype == torch.float32 and self.topology.folds
+                and self.plan.folds(name, tensor)):
             self.current.u[name], self.current.maxima[name] = self.plan.forward_folded(
                 name, tensor, *self.feedback.residual_pieces(name, self.comm.size))
         else:
             self.current.u[name] = self.plan.forward(name, tensor, in_place=True)
+            # an r1 with values outside this rank's part goes into the node's sum (two_hop.py)
+            spread = self.feedback.take_spread(name) if self.feedback else None
+            if spread is not None and not self.topology.folds:
+                self.current.u[name].add_(spread)
+                spread.zero_()
         self.current.shapes[name] = (tensor.shape, tensor.dtype)
         bucket = self.bucket_of[name]
         if all(n in self.current.u for n in self.buckets[bucket]):
@@ -308,13 +324,12 @@ class GIFT(Checkpointing, Compressor):
         residual1 = residual2 = None
         if self.feedback:
             residual1 = self.feedback.first_stage(names)
-            owned = owned_elements([f.numel() for f in flats], self.comm.size, self.comm.rank,
-                                   self.codec.align)
-            residual2 = self.feedback.second_stage(bucket, owned, flats[0].device)
-        reduction = BucketReduction(f"gift.b{bucket}", flats, self.codec, self.comm,
-                                    residual1, residual2, average=self.average, step=self.step,
-                                    maxima=[self.current.maxima.get(n) for n in names],
-                                    key=bucket)
+            owned = self.topology.owned_pieces([f.numel() for f in flats], self.codec)
+            residual2 = self.feedback.second_stage(bucket, sum(hi - lo for _, lo, hi in owned),
+                                                   flats[0].device)
+        reduction = self.topology.reduction(f"gift.b{bucket}", flats, self.codec, residual1,
+                                            residual2, self.average, self.step,
+                                            [self.current.maxima.get(n) for n in names], bucket)
         self.current.pipeline.start(bucket, reduction)
         self.telemetry.add(payload_bytes=sum(self.codec.payload_bytes(f.numel()) for f in flats))
 
@@ -378,7 +393,8 @@ class GIFT(Checkpointing, Compressor):
         into stage 1 before (it lives in the old coordinates of a whole bucket), each changed
         tensor's stage 1 re-expressed in its new coordinates after."""
         if self.feedback:
-            self.feedback.fold(self.comm.size, self.comm.rank, self.average)
+            self.feedback.fold(functools.partial(self.topology.owned_pieces, codec=self.codec),
+                               self.comm.size if self.average else 1)
         for name, old_inverse in change().items():
             if self.feedback:
                 self.feedback.convert(name, old_inverse, functools.partial(self.plan.forward, name))
@@ -389,7 +405,8 @@ class GIFT(Checkpointing, Compressor):
         block = f" (block {self.codec.block_size})" if self.codec.block_size else ""
         plans = ", ".join(f"{v} tensors {k}" for k, v in sorted(counts.items()))
         return (f"GIFT {self.codec.format}{block}, transform={self.transform}: {plans}; "
-                f"{len(self.buckets)} buckets; tensors under {self.min_elements} elements go fp32")
+                f"{len(self.buckets)} buckets, {self.topology.describe()}; tensors under "
+                f"{self.min_elements} elements go fp32")
 
     def stats(self):
         """Cumulative counters of this rank: steps, gradient elements, bytes this rank sent through

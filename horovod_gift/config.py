@@ -69,9 +69,16 @@ RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def check_arguments(model, format, block_size, rounding, transform, nonfinite, damping,
-                    start_step, grad_scaler, residual_dtype, **positive_ints):
+                    start_step, grad_scaler, residual_dtype, topology, node_size, **positive_ints):
     """GIFT's arguments, each refused by name with what it accepts."""
+    from .topology import TOPOLOGIES
     from .transforms import TRANSFORMS     # transforms imports this module
+
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"GIFT: unknown topology {topology!r}; expected one of {TOPOLOGIES}")
+    if node_size is not None and (not isinstance(node_size, int) or node_size < 1):
+        raise ValueError(f"GIFT: node_size must be None (Horovod's local size) or a positive "
+                         f"int, got {node_size!r}")
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"GIFT: expected the torch.nn.Module being trained, "

@@ -5,8 +5,10 @@ Stage 1 (every rank, per parameter): the residual r1 of the rank's own transform
 Stage 2 (the owner of a chunk, per bucket): the residual r2 of the re-quantized fp32 sum s,
     payload = Q(s + r2),  r2 <- (s + r2) - D(payload)
 r1 lives in the coordinates of the parameter's current transform; r2 in those of the owner's
-chunk of the bucket. Before a transform changes, r2 is folded into r1 (fold) and r1 is mapped to
-the new coordinates (convert), so no error is lost or counted in the wrong basis.
+chunk of the bucket. In a two-hop reduction (two_hop.py) stage 1 quantizes a node's sum, and each
+rank's r1 is that sum's residual on the part of the bucket the rank sums. Before a transform
+changes, r2 is folded into r1 (fold) and r1 is mapped to the new coordinates (convert), so no
+error is lost or counted in the wrong basis.
 Memory: r1 has a parameter's elements, r2 a 1/ranks share of each bucket: (1 + 1/n) elements per
 parameter element, in `dtype` (fp32, or bf16 for half of it).
 """
@@ -33,6 +35,17 @@ class ErrorFeedback:
     def reset(self):
         """Forget every residual (they restart at zero)."""
         self.stage1, self.stage2 = {}, {}      # parameter name -> r1; bucket index -> r2
+        # names whose r1 may hold values outside the part this rank's encodes write: a two-hop
+        # reduction adds such an r1 to u before the node's sum (take_spread)
+        self.spread = set()
+
+    def take_spread(self, name):
+        """The r1 of name if it may hold values outside this rank's part, zeroed once read by the
+        caller (who adds it to u); else None."""
+        if name not in self.spread:
+            return None
+        self.spread.discard(name)
+        return self.stage1.get(name)
 
     def _zeros(self, numel, device):
         return torch.zeros(numel, dtype=self.dtype, device=device)
@@ -81,18 +94,14 @@ class ErrorFeedback:
             if not math.isfinite(total):
                 r.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
-    def fold(self, n, rank, average):
-        """Move each owned r2 (rank's of n) into the r1 of its parameters (times n for an
-        average: stage 1 is summed, then averaged), so both live in per-parameter coordinates."""
-        scale = n if average else 1
+    def fold(self, owned, scale):
+        """Move each r2 into the r1 of its parameters, so both live in per-parameter coordinates.
+        owned(sizes): the (tensor, lo, hi) parts of a bucket of tensors with these sizes that r2
+        covers, in its order (Topology.owned_pieces); scale: the ranks for an average (stage 1
+        is summed, then averaged), else 1."""
         for bucket, r2 in self.stage2.items():
-            names = self.buckets[bucket]
-            sizes = [self.params[name].numel() for name in names]
-            r1s = self.first_stage(names)
-            offset = 0
-            for i, lo, hi in bucket_pieces(sizes, n, self.align)[rank]:
-                r1s[i][lo:hi].add_(r2[offset:offset + hi - lo], alpha=scale)
-                offset += hi - lo
+            fold_into(self.first_stage(self.buckets[bucket]), r2,
+                      owned([self.params[name].numel() for name in self.buckets[bucket]]), scale)
             r2.zero_()
 
     def rescale(self, factor):
@@ -112,6 +121,7 @@ class ErrorFeedback:
             new = new_forward(g, in_place=True)
             if new.untyped_storage().data_ptr() != residual.untyped_storage().data_ptr():
                 residual.copy_(new)
+            self.spread.add(name)
 
     def state_dict(self):
         """Host copies: gathered from every rank, GPU tensors would be unpickled onto the GPU
@@ -131,6 +141,27 @@ class ErrorFeedback:
                        for n, r in state["residual1"].items()}
         self.stage2 = {k: r.to(bucket_device(k), self.dtype, copy=True)
                        for k, r in state["residual2"].items()}
+        self.spread = set(self.stage1)
+
+    def fold_saved(self, state, owned, scale):
+        """A state_dict() with its r2 folded into its r1 (owned and scale: the saving topology's,
+        as in fold), for a job that lays the buckets out otherwise; the state given is not
+        modified."""
+        stage1 = {n: r.clone() for n, r in state["residual1"].items()}
+        for bucket, r2 in state["residual2"].items():
+            sizes = [self.params[n].numel() for n in self.buckets[bucket]]
+            for n, size in zip(self.buckets[bucket], sizes):
+                stage1.setdefault(n, torch.zeros(size, dtype=r2.dtype))
+            fold_into([stage1[n] for n in self.buckets[bucket]], r2, owned(sizes), scale)
+        return {"residual1": stage1, "residual2": {}}
 
     def tensors(self):
         return list(self.stage1.values()) + list(self.stage2.values())
+
+
+def fold_into(r1s, r2, parts, scale):
+    """r1s[i][lo:hi] += scale * r2's next hi - lo values, for each (i, lo, hi) of parts."""
+    offset = 0
+    for i, lo, hi in parts:
+        r1s[i][lo:hi].add_(r2[offset:offset + hi - lo], alpha=scale)
+        offset += hi - lo

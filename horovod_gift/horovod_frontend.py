@@ -5,10 +5,13 @@ import os
 
 import horovod.torch as hvd
 import torch
+from horovod.common import process_sets
 
 from .codec import Codec
 from .collective import BucketReduction, name_key
 from .communicator import Communicator, Handle
+from .telemetry import logger
+from .topology import Flat, TwoHop, plan_nodes
 
 HOROVOD_OPS = {"sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}
 
@@ -87,3 +90,59 @@ def allreduce(tensor, name, format="fp8_e4m3", op=None, block_size=None, roundin
                                 key=name_key(name))
     (result,) = reduction.start().exchange().finish()
     return result.view(tensor.shape).to(tensor.dtype)
+
+
+def horovod_topology(kind, node_size, process_set):
+    """The Topology (topology.py) of a GIFT over a Horovod process set: Flat, or TwoHop over the
+    process sets of each node and across nodes, found among Horovod's or added (which needs
+    hvd.init(process_sets="dynamic")). Collective over every rank for "auto" and "two-hop";
+    every rank decides the same, and raises the same error."""
+    comm = HorovodCommunicator(process_set)
+    if kind == "flat":
+        return Flat(comm)
+    if process_set is not None and process_set.process_set_id != 0:
+        if kind == "two-hop":
+            raise ValueError("GIFT: topology='two-hop' reduces over every rank (Horovod's global "
+                             "process set); with a process_set use topology='flat'")
+        return Flat(comm)
+    views = hvd.allgather(torch.tensor([[node_size or 0, hvd.local_size(), hvd.local_rank(),
+                                         hvd.rank()]], dtype=torch.int64),
+                          name="gift.topology").tolist()
+    ranks = len(views)
+    per_node, why = plan_nodes(views, ranks)
+    if per_node is not None:
+        groups = ([list(range(k, k + per_node)) for k in range(0, ranks, per_node)]
+                  + [list(range(local, ranks, per_node)) for local in range(per_node)])
+        found = node_process_sets(groups)
+        if found is not None:
+            rank = hvd.rank()
+            node, cross = found[rank // per_node], found[ranks // per_node + rank % per_node]
+            return TwoHop(comm, HorovodCommunicator(node), HorovodCommunicator(cross))
+        why = ("Horovod has no process sets for the nodes and was not started with dynamic "
+               "ones: start it with hvd.init(process_sets='dynamic') and GIFT adds them")
+    if kind == "two-hop":
+        raise ValueError(f"GIFT: topology='two-hop' needs several nodes of several ranks: {why}")
+    if per_node is not None and hvd.rank() == 0:
+        logger.warning("GIFT: topology='auto' takes the flat reduction: %s", why)
+    return Flat(comm)
+
+
+def node_process_sets(groups):
+    """A Horovod process set for each list of ranks in groups, found among those Horovod has or
+    added in that order (dynamic process sets); None where some are missing and none can be
+    added."""
+    known = {tuple(ranks): set_id
+             for set_id, ranks in process_sets._basics._get_process_set_ids_and_ranks().items()}
+    if (any(tuple(group) not in known for group in groups)
+            and os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0") in ("", "0")):
+        return None
+    found = []
+    for group in groups:
+        if tuple(group) in known:
+            process_set = process_sets._temp_process_set_object(known[tuple(group)])
+            process_set.ranks = group
+        else:
+            process_set = hvd.add_process_set(group)
+            known[tuple(group)] = process_set.process_set_id
+        found.append(process_set)
+    return found

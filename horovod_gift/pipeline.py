@@ -1,23 +1,23 @@
 """One step's bucket reductions, each moved to its next stage as soon as its collective arrives.
 
-A BucketReduction (collective.py) goes start() -> exchange() -> finish(). GIFT's compressor
-starts a bucket once all its gradients are in; every later compress calls progress(), which
-exchanges each bucket whose alltoall has arrived and finishes each bucket whose allgather has,
-oldest first, never waiting: stage 2 and the decoding run inside backward, each bucket's payloads
-are freed as soon as they are read (with every bucket's held until the step's end they came to
-0.2-0.3x of the parameters' bytes), and when backward ends only the last buckets' work is left.
+A BucketReduction (collective.py) goes start() -> exchange() -> finish() (a TwoHopReduction,
+two_hop.py, calls exchange() three times). GIFT's compressor starts a bucket once all its
+gradients are in; every later compress calls progress(), which moves each bucket whose collective
+has arrived to its next stage, oldest first, never waiting: the middle stages and the decoding
+run inside backward, each bucket's payloads are freed as soon as they are read (with every
+bucket's held until the step's end they came to 0.2-0.3x of the parameters' bytes), and when
+backward ends only the last buckets' work is left.
 
-On CUDA the second stages (the owner's decode, fp32 sum and re-encode) run on a side stream of
-the gradient's device, so that their kernels do not queue behind backward's on the current
-stream. Horovod records an operation's ready event on the stream current when it is enqueued
-(the side stream for the allgather of stage 2's bytes); the alltoall's output is read on the
-side stream once the handle's wait() returned there (Horovod's completion: the host waited for
-the operation) and is marked as used by the side stream before it is freed; the current stream
-waits for a bucket's second stage (an event recorded after it) before it decodes that bucket,
-and for the whole side stream before the step's end reads the stage-2 residuals.
+On CUDA the middle stages (the owner's decode, fp32 sum and re-encode; a node's sum) run on a
+side stream of the gradient's device, so that their kernels do not queue behind backward's on
+the current stream. Horovod records an operation's ready event on the stream current when it is
+enqueued (the side stream for the allgather of stage 2's bytes); the alltoall's output is read
+on the side stream once the handle's wait() returned there (Horovod's completion: the host
+waited for the operation) and is marked as used by the side stream before it is freed; the
+current stream waits for a bucket's second stage (an event recorded after it) before it decodes
+that bucket, and for the whole side stream before the step's end reads the stage-2 residuals.
 """
 import functools
-from collections import deque
 
 import torch
 
@@ -29,35 +29,40 @@ def side_stream(device):
 
 
 class StagePipeline:
-    """The reductions of one step: bucket index -> BucketReduction, and their results (bucket ->
-    {name: reduced flat u}). buckets: the parameter names of each bucket; telemetry: adds each
-    finished bucket's bytes sent and seconds waited."""
+    """The reductions of one step: bucket index -> its reduction (a BucketReduction, or a
+    TwoHopReduction with more stages), and their results (bucket -> {name: reduced flat u}).
+    buckets: the parameter names of each bucket; telemetry: adds each finished bucket's bytes
+    sent and seconds waited."""
 
     def __init__(self, buckets, telemetry):
         self.buckets, self.telemetry = buckets, telemetry
         self.reductions, self.results = {}, {}
-        self.arriving = deque()     # (bucket, reduction) whose alltoall is in flight, oldest first
-        self.gathering = deque()    # and those whose allgather is
-        self.exchanged_events = {}  # CUDA: bucket -> an event after its second stage
-        self.exchanged = False      # every started bucket's second stage is in flight
+        self.in_flight = {}         # bucket -> its reduction, not finished yet, oldest first
+        self.exchanged_events = {}  # CUDA: bucket -> an event after its latest middle stage
+        self.exchanged = False      # every started bucket's last collective is in flight
 
     def start(self, bucket, reduction):
-        self.reductions[bucket] = reduction.start()
-        self.arriving.append((bucket, reduction))
+        self.reductions[bucket] = self.in_flight[bucket] = reduction.start()
 
     def progress(self):
-        """Exchange every bucket whose alltoall has arrived and finish every bucket whose
-        allgather has, oldest first, up to the first that has not (never waiting)."""
-        while self.arriving and self.arriving[0][1].ready():
-            self._exchange(*self.arriving.popleft())
-        while self.gathering and (self.gathering[0][1].stage == 3 or self.gathering[0][1].ready()):
-            self.finish(self.gathering.popleft()[0])
+        """Move every bucket whose collective has arrived to its next stage (exchange() up to
+        the reduction's final_stage, then finish()), oldest first, never waiting."""
+        for bucket, reduction in list(self.in_flight.items()):
+            while bucket in self.in_flight and reduction.ready():
+                if reduction.stage < reduction.final_stage:
+                    self._exchange(bucket, reduction)
+                else:
+                    self.finish(bucket)
 
     def exchange_all(self):
-        """The second stages not started during backward (waiting for their alltoalls)."""
-        while self.arriving:
-            self._exchange(*self.arriving.popleft())
+        """The middle stages not done during backward: whatever has arrived first, else the
+        oldest bucket's next stage, waiting for it."""
+        while True:
             self.progress()
+            waiting = [(b, r) for b, r in self.in_flight.items() if r.stage < r.final_stage]
+            if not waiting:
+                break
+            self._exchange(*waiting[0])
         self.exchanged = True
 
     def _exchange(self, bucket, reduction):
@@ -69,7 +74,6 @@ class StagePipeline:
                 event.record()
         else:
             reduction.exchange()
-        self.gathering.append((bucket, reduction))
 
     def finish(self, bucket):
         """The bucket's reduced flat u, decoded over its transformed gradients (some of them
@@ -77,12 +81,12 @@ class StagePipeline:
         p.grad to what decompress returns); {name: u}."""
         if bucket not in self.results:
             reduction = self.reductions[bucket]
-            if reduction.stage == 1:    # not exchanged yet: its second stage first
-                self.arriving.remove((bucket, reduction))
+            while reduction.stage < reduction.final_stage:  # its middle stages first
                 self._exchange(bucket, reduction)
             if bucket in self.exchanged_events:
                 device = reduction.flats[0].device
                 torch.cuda.current_stream(device).wait_event(self.exchanged_events[bucket])
+            del self.in_flight[bucket]
             results = reduction.finish(over_inputs=True)
             self.results[bucket] = dict(zip(self.buckets[bucket], results))
             self.telemetry.add(bytes_sent=reduction.bytes_sent,

@@ -1,0 +1,90 @@
+"""How a bucket's reduction is laid over the ranks: one flat group, or nodes (two_hop.py).
+
+A topology makes each bucket's reduction and says which part of a bucket this rank's stage-2
+residual covers (ErrorFeedback folds it into r1 there, and a checkpoint saved under one topology
+is re-expressed under another through it). Its `description` is a tuple the checkpoint keeps:
+("flat",) or ("two-hop", ranks a node).
+
+Buckets smaller than the node size times the codec's alignment would leave a node chunk empty:
+they take the flat reduction in both topologies.
+"""
+from .collective import BucketReduction, bucket_pieces
+from .two_hop import TwoHopLayout, TwoHopReduction
+
+TOPOLOGIES = ("auto", "flat", "two-hop")
+
+
+def owned_pieces(description, sizes, rank, ranks, codec):
+    """The (tensor, lo, hi) parts of a bucket of tensors with these sizes whose stage-2 residual
+    `rank` of `ranks` holds under the topology `description`, in the order of that residual."""
+    if description[0] == "two-hop" and sum(sizes) >= description[1] * codec.align:
+        node_size = description[1]
+        layout = TwoHopLayout.of(tuple(sizes), node_size, ranks // node_size, codec.align, codec)
+        return layout.owned_pieces(rank // node_size, rank % node_size)
+    return bucket_pieces(sizes, ranks, codec.align)[rank]
+
+
+def plan_nodes(views, ranks):
+    """(ranks a node, None) for a two-hop reduction, or (None, why not). views: every rank's
+    [node_size it was given (0: none), Horovod's local size, local rank, rank]. Raises, the same
+    on every rank, when ranks were given different node sizes."""
+    requested = sorted({view[0] for view in views})
+    if len(requested) > 1:
+        raise ValueError(f"GIFT: node_size differs across ranks ({requested}); pass the same "
+                         "on every rank")
+    node_size = requested[0]
+    if not node_size:
+        local_sizes = {view[1] for view in views}
+        node_size = local_sizes.pop()
+        if local_sizes or any(rank // node_size * node_size + local != rank
+                              for _, _, local, rank in views):
+            return None, ("Horovod's ranks do not lie in consecutive blocks of equal nodes "
+                          "(node_size= says how many consecutive ranks share a node)")
+    if ranks % node_size:
+        return None, f"{ranks} ranks do not make nodes of {node_size}"
+    if node_size == 1 or node_size == ranks:
+        return None, (f"{ranks} ranks make " + ("one node" if node_size == ranks else
+                                                 "nodes of one rank"))
+    return node_size, None
+
+
+class Flat:
+    """Every bucket reduced over comm, all ranks as one group (collective.py)."""
+
+    folds = True        # the rotation may add r1 in its own pass (TransformPlan.forward_folded)
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.description = ("flat",)
+
+    def describe(self):
+        return "flat"
+
+    def owned_pieces(self, sizes, codec):
+        return owned_pieces(self.description, sizes, self.comm.rank, self.comm.size, codec)
+
+    def reduction(self, name, flats, codec, residual1, residual2, average, step, maxima, key):
+        return BucketReduction(name, flats, codec, self.comm, residual1, residual2,
+                               average=average, step=step, maxima=maxima, key=key)
+
+
+class TwoHop(Flat):
+    """Buckets reduced in two hops (two_hop.py): comm holds every rank, node_size consecutive
+    ranks a node; node: the communicator of this rank's node (its ranks in order), cross: that of
+    the ranks of this local rank, one a node (in node order)."""
+
+    folds = False       # the node's sum is quantized, not u: r1 is added to it
+
+    def __init__(self, comm, node, cross):
+        self.comm, self.node, self.cross = comm, node, cross
+        self.description = ("two-hop", node.size)
+
+    def describe(self):
+        return f"two-hop: {self.cross.size} nodes x {self.node.size} ranks"
+
+    def reduction(self, name, flats, codec, residual1, residual2, average, step, maxima, key):
+        if sum(f.numel() for f in flats) < self.node.size * codec.align:
+            return super().reduction(name, flats, codec, residual1, residual2, average, step,
+                                     maxima, key)
+        return TwoHopReduction(name, flats, codec, self.node, self.cross, residual1, residual2,
+                               average=average, step=step, key=key)

@@ -1,0 +1,175 @@
+"""The two-hop quantized allreduce, for nodes of several GPUs (NVLink inside, a NIC each across).
+
+The flat reduction (collective.py) sends (P - L) / P of every rank's bucket across nodes (P
+ranks, L a node): its bytes per NIC grow with L, where a ring allreduce's do not. With N = P / L
+nodes, rank (node k, local rank l) and a bucket of flat fp32 tensors u_1..u_m:
+  1. Inside the node, a reduce-scatter in fp32: the bucket is cut into L node chunks; local rank
+     l receives every local rank's node chunk l (one alltoall over the node) and sums them in
+     local-rank order, s_l = sum_j u_j[chunk l] (NVLink carries fp32 cheaply).
+  2. Across nodes, the flat quantized reduction of s_l among the N ranks of local rank l (one
+     per node): stage 1 quantizes s_l + r1 (r1: the node sum's residual), the owner of each
+     1/N of it decodes, sums in node order, divides by P for an average, adds r2, re-quantizes,
+     and an allgather over those N ranks gives each the same bytes of all of chunk l.
+  3. Inside the node, an allgather of step 2's bytes (each padded to the largest node chunk's),
+     and every rank decodes the L x N payloads: the same bytes and scales on every rank of every
+     node, so the results are bit-identical.
+Bytes across nodes per rank: about 2 (N - 1) / N * (elements / L) * bits / 8: 1/L of the flat
+reduction's. Inside the node: (L - 1) / L of the bucket in fp32 and the step-2 bytes L - 1 times.
+
+Error feedback: r1 is kept per parameter, as in the flat reduction, and its node chunk (the part
+of a tensor in this rank's chunk l) is the residual of step 2's first quantization. Where r1 holds
+values outside that part (after a change of basis mapped it, or after loading a checkpoint), the
+whole r1 is added to u before step 1 (ErrorFeedback.spread): the node's sum then carries it.
+"""
+import functools
+
+import numpy as np
+import torch
+
+from .codec import TensorPieces
+from .collective import BucketLayout, BucketReduction, mix_seed, timed_wait
+
+
+class TwoHopLayout:
+    """Where a bucket's pieces lie for L ranks a node and N nodes, made once per (sizes, L, N,
+    codec) and cached (TwoHopLayout.of): the node chunks (node_pieces[l]: (tensor, lo, hi)), their
+    elements (the fp32 alltoall's splits), each node chunk's layout across nodes (cross[l], over
+    its pieces as flats), the slot every local rank's step-2 bytes take in the node's allgather,
+    and per tensor its pieces in that allgather's output (gathered[i])."""
+
+    def __init__(self, sizes, node_size, nodes, align, codec):
+        node = BucketLayout.of(sizes, node_size, align)
+        self.node_pieces, self.node_elements = node.pieces, node.owned
+        self.node_starts = np.cumsum([0] + node.owned).tolist()
+        self.splits = torch.tensor(node.owned, dtype=torch.int32, device="cpu")
+        self.cross = [BucketLayout.of(tuple(hi - lo for _, lo, hi in chunk), nodes, align, codec)
+                      for chunk in node.pieces]
+        self.slot = max(nodes * layout.slot for layout in self.cross)
+        per_tensor = [[] for _ in sizes]
+        for l, (chunk, layout) in enumerate(zip(node.pieces, self.cross)):
+            for j, (i, lo, _) in enumerate(chunk):
+                pieces = layout.gathered[j]
+                per_tensor[i].append((pieces.starts + lo, pieces.ends + lo,
+                                      pieces.offsets + l * self.slot, pieces.chunks))
+        self.gathered = [TensorPieces(*(np.concatenate(part) for part in zip(*parts)), i)
+                         for i, parts in enumerate(per_tensor)]
+
+    def owned_pieces(self, node, local):
+        """The (tensor, lo, hi) parts of the bucket whose stage-2 residual rank (node, local)
+        holds, in the order of its r2."""
+        chunk = self.node_pieces[local]
+        return [(chunk[j][0], chunk[j][1] + lo, chunk[j][1] + hi)
+                for j, lo, hi in self.cross[local].pieces[node]]
+
+    @staticmethod
+    @functools.lru_cache(maxsize=4096)
+    def of(sizes, node_size, nodes, align, codec):
+        return TwoHopLayout(sizes, node_size, nodes, align, codec)
+
+
+class TwoHopReduction:
+    """A BucketReduction's interface (start, ready, exchange, finish; stage and final_stage) over
+    two communicators: `node` (the L ranks of this rank's node, in local-rank order) and `cross`
+    (the N ranks of this local rank, in node order). residual1: r1 of each flat, whole (the part in
+    this rank's node chunk is read and written); residual2: this rank's share of its node chunk.
+    Stages: 1 the node's fp32 alltoall is in flight, 2 and 3 the flat reduction across nodes, 4 the
+    node's allgather, 5 finished."""
+
+    final_stage = 4
+
+    def __init__(self, name, flats, codec, node, cross, residual1=None, residual2=None,
+                 average=True, step=0, key=0):
+        self.name, self.flats, self.codec, self.node, self.cross = name, flats, codec, node, cross
+        self.residual1_whole, self.residual2 = residual1, residual2
+        self.divisor = node.size * cross.size if average else 1
+        self.step, self.key = step, key
+        self.layout = TwoHopLayout.of(tuple(f.numel() for f in flats), node.size, cross.size,
+                                      codec.align, codec)
+        self.device = flats[0].device
+        self.stage, self.across = 0, None   # across: step 2's BucketReduction
+        self.node_bytes_sent, self.node_wait_seconds = 0, 0.0
+
+    # what the pipeline, the scrub and the telemetry read: step 2's, once it has started
+    @property
+    def residual1(self):
+        return self.across.residual1 if self.across else None
+
+    @property
+    def amax_bounds(self):
+        return self.across.amax_bounds if self.across else []
+
+    @property
+    def bytes_sent(self):
+        return self.node_bytes_sent + (self.across.bytes_sent if self.across else 0)
+
+    @property
+    def wait_seconds(self):
+        return self.node_wait_seconds + (self.across.wait_seconds if self.across else 0.0)
+
+    def _wait(self):
+        out, seconds = timed_wait(self._handle)
+        self._handle = None     # its buffers go as soon as this stage is done
+        self.node_wait_seconds += seconds
+        if isinstance(out, tuple):      # an alltoall's (received, their sizes)
+            out = out[0]
+        if out.is_cuda:     # allocated by the engine, read on this stream
+            out.record_stream(torch.cuda.current_stream(out.device))
+        return out
+
+    def start(self):
+        send = torch.cat(self.flats) if len(self.flats) > 1 else self.flats[0]
+        me = self.node.rank
+        self.node_bytes_sent += 4 * (send.numel() - self.layout.node_elements[me])
+        self._handle = self.node.alltoall_async(send, self.layout.splits,
+                                                f"{self.name}.node_scatter")
+        self.stage = 1
+        return self
+
+    def ready(self):
+        return self.across.ready() if self.stage in (2, 3) else self._handle.poll()
+
+    def exchange(self):
+        """The next stage whose collective has arrived (stages 1 to 3)."""
+        if self.stage == 1:
+            self._sum_node()
+        elif self.stage == 2:
+            self.across.exchange()
+        else:
+            self._share_across_node(self.across.gathered())
+            return self
+        self.stage += 1
+        return self
+
+    def _sum_node(self):
+        received = self._wait()
+        local = self.node.rank
+        rows = received.view(self.node.size, -1)
+        total = rows[0].clone()
+        for row in rows[1:]:    # in local-rank order: the same sum whatever arrived first
+            total.add_(row)
+        chunk = self.layout.node_pieces[local]
+        offsets = np.cumsum([0] + [hi - lo for _, lo, hi in chunk]).tolist()
+        flats = [total[a:b] for a, b in zip(offsets, offsets[1:])]
+        residual1 = (None if self.residual1_whole is None else
+                     [self.residual1_whole[i][lo:hi] for i, lo, hi in chunk])
+        self.across = BucketReduction(
+            f"{self.name}.l{local}", flats, self.codec, self.cross, residual1, self.residual2,
+            step=self.step, key=mix_seed(self.key, local), divisor=self.divisor).start()
+
+    def _share_across_node(self, gathered):
+        out = torch.empty(self.layout.slot, dtype=torch.uint8, device=self.device)
+        out[: gathered.numel()] = gathered
+        out[gathered.numel():] = 0     # the padding: the same bytes everywhere
+        self.node_bytes_sent += out.numel() * (self.node.size - 1)
+        self._handle = self.node.allgather_async(out, f"{self.name}.node_gather")
+        self.stage = 4
+
+    def finish(self, over_inputs=False):
+        """The reduced tensors, flat fp32, identical on every rank of every node (over_inputs: as
+        BucketReduction.finish)."""
+        gathered = self._wait()
+        self.stage = 5
+        out = self.flats if over_inputs else [torch.empty_like(f) for f in self.flats]
+        for i, pieces in enumerate(self.layout.gathered):
+            self.codec.decode_pieces(gathered, pieces, out[i])
+        return out

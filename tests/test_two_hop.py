@@ -1,0 +1,202 @@
+"""The two-hop reduction (two_hop.py) on simulated nodes in one process: every rank of every node
+gets the same bits, the average it should, fewer bytes across nodes than the flat reduction, and
+error feedback that cancels over steps. mpi_tests/test_two_hop.py runs it over Horovod."""
+import numpy as np
+import pytest
+import torch
+
+from horovod_gift.codec import Codec
+from horovod_gift.collective import BucketLayout
+from horovod_gift.communicator import LocalGroup
+from horovod_gift.feedback import ErrorFeedback, fold_into
+from horovod_gift.topology import Flat, TwoHop, owned_pieces, plan_nodes
+from horovod_gift.two_hop import TwoHopLayout
+
+SIZES = (1000, 4096, 77, 3000)      # pieces that straddle node and cross chunk boundaries
+
+
+def topologies(nodes, node_size):
+    """Rank r = node * node_size + local's TwoHop, over LocalGroups as Horovod's sets would be."""
+    ranks = nodes * node_size
+    world = LocalGroup(ranks).communicators()
+    node = [LocalGroup(node_size).communicators() for _ in range(nodes)]
+    cross = [LocalGroup(nodes).communicators() for _ in range(node_size)]
+    return [TwoHop(world[r], node[r // node_size][r % node_size], cross[r % node_size][r // node_size])
+            for r in range(ranks)]
+
+
+def run(reductions):
+    """Drive every rank's reduction from one thread, each stage once all ranks have posted it:
+    ready() must say when."""
+    results = [None] * len(reductions)
+    while any(r is None for r in results):
+        moved = False
+        for k, reduction in enumerate(reductions):
+            if results[k] is None and reduction.ready():
+                if reduction.stage < reduction.final_stage:
+                    reduction.exchange()
+                else:
+                    results[k] = reduction.finish()
+                moved = True
+        assert moved, "no rank could move: a stage waits for a collective no rank posted"
+    return results
+
+
+def reduce_once(tops, grads, codec, residuals=None, step=0, average=True):
+    reductions = []
+    for k, top in enumerate(tops):
+        r1, r2 = residuals[k] if residuals else (None, None)
+        flats = [g.clone() for g in grads[k]]
+        reductions.append(top.reduction("b0", flats, codec, r1, r2, average, step,
+                                        [None] * len(flats), 0).start())
+    return run(reductions), reductions
+
+
+def gradients(ranks, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(n, generator=gen) * (1 + i) for i, n in enumerate(SIZES)]
+            for _ in range(ranks)]
+
+
+@pytest.mark.parametrize("nodes,node_size", [(2, 2), (2, 4), (4, 2)])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e4m3"])
+def test_every_rank_gets_the_same_bits_and_the_average(nodes, node_size, fmt):
+    ranks, codec = nodes * node_size, Codec(fmt)
+    grads = gradients(ranks)
+    results, reductions = reduce_once(topologies(nodes, node_size), grads, codec)
+    assert all(r.final_stage == 4 for r in reductions)
+    for k in range(1, ranks):
+        for a, b in zip(results[0], results[k]):
+            assert torch.equal(a, b), f"rank {k} differs from rank 0"
+    # two quantizations, as in the flat reduction: about its error
+    flat, _ = reduce_once([Flat(c) for c in LocalGroup(ranks).communicators()], grads, codec)
+    exact = torch.cat([torch.stack([g[i].double() for g in grads]).mean(0)
+                       for i in range(len(SIZES))])
+    errors = [float((torch.cat(r).double() - exact).norm() / exact.norm())
+              for r in (results[0], flat[0])]
+    assert errors[0] < 1.3 * errors[1], errors
+
+
+@pytest.mark.parametrize("nodes,node_size", [(2, 2), (2, 4), (4, 2)])
+def test_a_sum_is_the_average_times_the_ranks(nodes, node_size):
+    ranks, codec = nodes * node_size, Codec("fp8_e4m3")
+    grads = gradients(ranks, seed=1)
+    summed, _ = reduce_once(topologies(nodes, node_size), grads, codec, average=False)
+    exact = torch.stack([g[1].double() for g in grads]).sum(0)
+    assert (summed[0][1].double() - exact).norm() / exact.norm() < 0.05
+
+
+@pytest.mark.parametrize("nodes,node_size", [(2, 2), (2, 4), (4, 2)])
+def test_fewer_bytes_cross_nodes_than_in_the_flat_reduction(nodes, node_size):
+    ranks, codec = nodes * node_size, Codec("nvfp4")
+    _, reductions = reduce_once(topologies(nodes, node_size), gradients(ranks), codec)
+    flat = BucketLayout.of(SIZES, ranks, codec.align, codec)
+    for rank, reduction in enumerate(reductions):
+        mine = range(rank // node_size * node_size, (rank // node_size + 1) * node_size)
+        flat_across = (sum(b for j, b in enumerate(flat.chunk_bytes) if j not in mine)
+                       + flat.slot * (ranks - node_size))
+        two_hop_across = reduction.across.bytes_sent
+        # 1/L of the flat bytes, give or take the padding of small pieces
+        assert two_hop_across < 1.3 * flat_across / node_size, (rank, two_hop_across, flat_across)
+
+
+def test_error_feedback_cancels_the_quantization_error_over_steps():
+    """The same gradients T steps running: with feedback the sum of the results drifts from T x
+    the exact average by about one step's error, without it by T steps' errors."""
+    nodes, node_size, steps, codec = 2, 2, 8, Codec("nvfp4")
+    ranks = nodes * node_size
+    grads = gradients(ranks, seed=2)
+    exact = [torch.stack([g[i].double() for g in grads]).mean(0) for i in range(len(SIZES))]
+    drift = {}
+    for feedback in (False, True):
+        tops = topologies(nodes, node_size)
+        residuals = None
+        if feedback:
+            residuals = []
+            for top in tops:
+                owned = top.owned_pieces(list(SIZES), codec)
+                residuals.append(([torch.zeros(n) for n in SIZES],
+                                  torch.zeros(sum(hi - lo for _, lo, hi in owned))))
+        total = [torch.zeros(n, dtype=torch.float64) for n in SIZES]
+        for step in range(steps):
+            results, _ = reduce_once(tops, grads, codec, residuals, step=step)
+            for t, r in zip(total, results[0]):
+                t += r.double()
+        drift[feedback] = sum(float((t - steps * e).norm()) for t, e in zip(total, exact))
+    assert drift[True] < 0.25 * drift[False], drift
+
+
+def test_a_residual_outside_the_node_chunk_is_carried_by_the_node_sum():
+    """An r1 with values everywhere (after a change of basis) added to u before the node's sum
+    (what GIFT does for ErrorFeedback.spread names) reaches the average as the flat reduction's
+    r1 would: the average of u + r1 over ranks."""
+    nodes, node_size, codec = 2, 2, Codec("fp8_e4m3")
+    ranks = nodes * node_size
+    grads, extra = gradients(ranks, seed=3), gradients(ranks, seed=4)
+    carried = [[g + e for g, e in zip(gs, es)] for gs, es in zip(grads, extra)]
+    results, _ = reduce_once(topologies(nodes, node_size), carried, codec)
+    exact = torch.stack([g[3].double() + e[3].double() for g, e in zip(grads, extra)]).mean(0)
+    assert (results[0][3].double() - exact).norm() / exact.norm() < 0.05
+
+
+def test_owned_pieces_tile_the_bucket_and_match_the_reduction():
+    """Every element of the bucket is in exactly one rank's r2 (so fold loses nothing), and each
+    rank's r2 has the size its reduction writes."""
+    nodes, node_size, codec = 2, 4, Codec("nvfp4")
+    ranks = nodes * node_size
+    covered = [torch.zeros(n) for n in SIZES]
+    for rank in range(ranks):
+        parts = owned_pieces(("two-hop", node_size), list(SIZES), rank, ranks, codec)
+        for i, lo, hi in parts:
+            covered[i][lo:hi] += 1
+        layout = TwoHopLayout.of(SIZES, node_size, nodes, codec.align, codec)
+        local, node = rank % node_size, rank // node_size
+        assert sum(hi - lo for _, lo, hi in parts) == layout.cross[local].owned[node]
+    assert all(torch.equal(c, torch.ones_like(c)) for c in covered)
+
+
+def test_a_flat_state_folds_into_r1_for_another_topology():
+    """ErrorFeedback.fold_saved: r2 of the saving topology added (times the scale) where it
+    covers, r1 made where missing; the state given is left as it was."""
+    params = {"a": torch.nn.Parameter(torch.zeros(100)), "b": torch.nn.Parameter(torch.zeros(60))}
+    feedback = ErrorFeedback(params, [["a", "b"]], 32)
+    r2 = torch.arange(1.0, 81.0)
+    state = {"residual1": {"a": torch.ones(100)}, "residual2": {0: r2}}
+    parts = owned_pieces(("flat",), [100, 60], 1, 2, Codec("nvfp4"))
+    folded = feedback.fold_saved(state, lambda sizes: parts, 2)
+    expected = [torch.ones(100), torch.zeros(60)]
+    fold_into(expected, r2, parts, 2)
+    assert torch.equal(folded["residual1"]["a"], expected[0])
+    assert torch.equal(folded["residual1"]["b"], expected[1])
+    assert folded["residual2"] == {} and torch.equal(state["residual1"]["a"], torch.ones(100))
+
+
+def test_small_buckets_take_the_flat_reduction():
+    tops = topologies(2, 4)
+    flats = [torch.randn(64)]
+    reduction = tops[0].reduction("b", flats, Codec("nvfp4"), None, None, True, 0, [None], 0)
+    assert reduction.final_stage == 2 and reduction.comm.size == 8
+
+
+@pytest.mark.parametrize("views,expected", [
+    ([[0, 2, r % 2, r] for r in range(4)], 2),          # Horovod's local size
+    ([[2, 4, r, r] for r in range(4)], 2),              # node_size given
+    ([[0, 4, r, r] for r in range(4)], None),           # one node
+    ([[0, 1, 0, r] for r in range(4)], None),           # one rank a node
+    ([[3, 4, r, r] for r in range(4)], None),           # 4 ranks do not make nodes of 3
+    ([[0, 2, [0, 1, 1, 0][r], r] for r in range(4)], None),    # not consecutive
+])
+def test_plan_nodes(views, expected):
+    assert plan_nodes(views, len(views))[0] == expected
+
+
+def test_plan_nodes_refuses_node_sizes_that_differ():
+    with pytest.raises(ValueError, match="node_size differs across ranks"):
+        plan_nodes([[2, 4, 0, 0], [4, 4, 1, 1]], 2)
+
+
+def test_flat_owned_pieces_are_the_chunk_of_the_rank():
+    flat = Flat(LocalGroup(2).communicators()[1])
+    codec = Codec("nvfp4")
+    assert flat.owned_pieces([100, 60], codec) == BucketLayout.of((100, 60), 2, 32).pieces[1]
+    assert np.sum([hi - lo for _, lo, hi in flat.owned_pieces([100, 60], codec)]) == 64
