@@ -127,12 +127,13 @@ class ErrorFeedback:
         """Host copies: gathered from every rank, GPU tensors would be unpickled onto the GPU
         each came from, on every rank."""
         return {"residual1": {n: r.to("cpu", copy=True) for n, r in self.stage1.items()},
-                "residual2": {k: r.to("cpu", copy=True) for k, r in self.stage2.items()}}
+                "residual2": {k: r.to("cpu", copy=True) for k, r in self.stage2.items()},
+                "spread": sorted(self.spread)}
 
     @staticmethod
     def empty_state():
         """The state_dict of no error feedback (a new one each call: callers may modify it)."""
-        return {"residual1": {}, "residual2": {}}
+        return {"residual1": {}, "residual2": {}, "spread": []}
 
     def load_state_dict(self, state, bucket_device):
         """Residuals back on their parameters' devices (a checkpoint loaded with
@@ -141,7 +142,7 @@ class ErrorFeedback:
                        for n, r in state["residual1"].items()}
         self.stage2 = {k: r.to(bucket_device(k), self.dtype, copy=True)
                        for k, r in state["residual2"].items()}
-        self.spread = set(self.stage1)
+        self.spread = set(state.get("spread", self.stage1))
 
     def fold_saved(self, state, owned, scale):
         """A state_dict() with its r2 folded into its r1 (owned and scale: the saving topology's,
@@ -153,7 +154,7 @@ class ErrorFeedback:
             for n, size in zip(self.buckets[bucket], sizes):
                 stage1.setdefault(n, torch.zeros(size, dtype=r2.dtype))
             fold_into([stage1[n] for n in self.buckets[bucket]], r2, owned(sizes), scale)
-        return {"residual1": stage1, "residual2": {}}
+        return {"residual1": stage1, "residual2": {}, "spread": sorted(stage1)}
 
     def tensors(self):
         return list(self.stage1.values()) + list(self.stage2.values())

@@ -105,9 +105,12 @@ def horovod_topology(kind, node_size, process_set):
             raise ValueError("GIFT: topology='two-hop' reduces over every rank (Horovod's global "
                              "process set); with a process_set use topology='flat'")
         return Flat(comm)
-    views = hvd.allgather(torch.tensor([[node_size or 0, hvd.local_size(), hvd.local_rank(),
-                                         hvd.rank()]], dtype=torch.int64),
-                          name="gift.topology").tolist()
+    view = [node_size or 0, hvd.local_size(), hvd.local_rank(), hvd.rank()]
+    if node_size is None and hvd.local_size() == hvd.size():   # every rank sees one node
+        views = [[0, hvd.size(), rank, rank] for rank in range(hvd.size())]
+    else:
+        views = hvd.allgather(torch.tensor([view], dtype=torch.int64),
+                              name="gift.topology").tolist()
     ranks = len(views)
     per_node, why = plan_nodes(views, ranks)
     if per_node is not None:

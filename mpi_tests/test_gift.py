@@ -49,6 +49,7 @@ def make(format, block_size=None, transform="auto", error_feedback=True, lr=1e-2
             error_feedback=error_feedback,
             refresh_every=10,
             verbose=False,
+            **{k: kw.pop(k) for k in ("topology", "node_size") if k in kw},
         )
         if format
         else hvd.Compression.none
