@@ -39,18 +39,22 @@ DISCUSSION = "## Where GIFT wins, where it does not, and why"
 FLAGS = ("dim", "layers", "seq_len", "lr", "eval_batches")
 
 
-def launch(ranks, arm, seed, steps, args, out):
-    """One mpirun, each rank exec'd inside its namespace; MPI only over the veths."""
+def launch(ranks, arm, seed, steps, args, out, per_node=1, extra=()):
+    """One mpirun, each rank exec'd inside its namespace (per_node ranks share one: rank r in
+    namespace r // per_node); MPI only over the veths (and a namespace's loopback). extra: more
+    peers_worker.py flags."""
     command = ["mpirun", "-np", str(ranks), "--allow-run-as-root", "--oversubscribe",
                "--bind-to", "none", "--mca", "btl", "tcp,self",
                "--mca", "btl_tcp_if_include", net.IFNAME, "-x", "OMP_NUM_THREADS=1",
                "-x", f"MASTER_ADDR={net.address(0)}", "-x", "MASTER_PORT=29431",
                "-x", f"GLOO_SOCKET_IFNAME={net.IFNAME}", "-x", "PATH",
-               "bash", "-c", f'exec ip netns exec {net.PREFIX}$OMPI_COMM_WORLD_RANK "$@"', "rank",
+               "bash", "-c",
+               f'exec ip netns exec {net.PREFIX}$((OMPI_COMM_WORLD_RANK / {per_node})) "$@"',
+               "rank",
                PY, str(ROOT / "benchmarks" / "peers_worker.py"), "--arm", arm,
                "--ifname", net.IFNAME, "--out", str(out), "--seed", str(seed),
                "--steps", str(steps), "--eval-every", str(args.eval_every), "--quiet",
-               "--batch-size", str(args.global_batch // ranks)]   # the same global batch
+               "--batch-size", str(args.global_batch // ranks), *extra]   # the same global batch
     for flag in FLAGS:
         command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     t0 = time.perf_counter()

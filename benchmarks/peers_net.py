@@ -97,10 +97,13 @@ def remove_all():
 
 
 class Network:
-    """`with Network(ranks, rate):` builds it and always removes it; rate None: not shaped."""
+    """`with Network(ranks, rate):` builds it and always removes it; rate None: not shaped.
+    per_node: ranks that share a namespace (a node of benchmarks/cluster.py: they talk over its
+    own loopback, unshaped, and its one veth carries what leaves or enters the node); rank r
+    lives in namespace(r // per_node)."""
 
-    def __init__(self, ranks, rate, offloads=True):
-        self.ranks, self.rate, self.offloads = ranks, rate, offloads
+    def __init__(self, ranks, rate, offloads=True, per_node=1):
+        self.ranks, self.rate, self.offloads = ranks // per_node, rate, offloads
 
     def __enter__(self):
         remove_all()

@@ -31,6 +31,10 @@ from data import ByteBatches, read_corpus  # noqa: E402
 
 HOROVOD_ARMS = {"hvd-fp32": "none", "hvd-fp16": "fp16", "gift-fp8": "gift-fp8",
                 "gift-nvfp4": "gift-nvfp4"}           # arm -> train_llama --compression
+# benchmarks/cluster.py's arms on nodes of --node-size ranks: arm -> (--compression, GIFT options)
+NODE_ARMS = {"hvd-fp32-hier": ("none", {}), "gift-nvfp4-flat": ("gift-nvfp4", {"topology": "flat"}),
+             "gift-nvfp4-2hop": ("gift-nvfp4", {"topology": "two-hop"}),
+             "gift-fp8-2hop": ("gift-fp8", {"topology": "two-hop"})}
 DDP_ARMS = {"ddp-fp32": 0, "ddp-powersgd-r1": 1, "ddp-powersgd-r4": 4}   # arm -> PowerSGD rank
 ARMS = ["hvd-fp32", "hvd-fp16", "ddp-fp32", "ddp-powersgd-r1", "ddp-powersgd-r4", "gift-fp8",
         "gift-nvfp4"]
@@ -39,7 +43,9 @@ ARMS = ["hvd-fp32", "hvd-fp16", "ddp-fp32", "ddp-powersgd-r1", "ddp-powersgd-r4"
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arm", required=True, choices=ARMS)
+    p.add_argument("--arm", required=True, choices=ARMS + list(NODE_ARMS))
+    p.add_argument("--node-size", type=int, default=None,
+                   help="ranks a node, for the two-hop arms (consecutive ranks share a node)")
     p.add_argument("--ifname", default=None, help="count the bytes this interface sends")
     p.add_argument("--powersgd-start", type=int, default=None,
                    help="PowerSGD's start_powerSGD_iter (default: max(20 warm-up steps, 10 %% of "
@@ -73,7 +79,10 @@ class HorovodArm:
         import horovod.torch as hvd
         self.hvd, self.model = hvd, model
         self.rank, self.size = hvd.rank(), hvd.size()
-        compression, self.gift = train_llama.make_compression(HOROVOD_ARMS[arm], model)
+        name, options = NODE_ARMS.get(arm, (HOROVOD_ARMS.get(arm), {}))
+        if options.get("topology") == "two-hop":
+            options = dict(options, node_size=args.node_size)
+        compression, self.gift = train_llama.make_compression(name, model, **options)
         self.optimizer = hvd.DistributedOptimizer(
             train_llama.make_optimizer(model, args.lr), named_parameters=model.named_parameters(),
             compression=compression)
@@ -242,8 +251,11 @@ def main(argv=None):
         dist.init_process_group("gloo", rank=rank,
                                 world_size=int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
     else:
+        if args.arm == "hvd-fp32-hier":
+            os.environ["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
         import horovod.torch as hvd
-        hvd.init()
+        # the two-hop arms: GIFT adds the process sets of the nodes
+        hvd.init(process_sets="dynamic" if args.arm.endswith("2hop") else None)
     result = run_arm(args)
     result.pop("params")
     finite = all(math.isfinite(e["heldout"]) for e in result["evals"])

@@ -37,14 +37,18 @@ COMPRESSIONS = {
 
 
 def make_compression(
-    name, model, bucket_elements=1 << 22, error_feedback=True, log_every=0, start_step=0
+    name, model, bucket_elements=1 << 22, error_feedback=True, log_every=0, start_step=0,
+    **options,
 ):
+    """(Horovod's compression for --compression name, the GIFT instance or None); options: more
+    GIFT arguments (topology=, node_size=)."""
     if name == "none":
         return hvd.Compression.none, None
     if name == "fp16":
         return hvd.Compression.fp16, None
     format, transform = COMPRESSIONS[name]
-    options = {} if transform is None else {"transform": transform}
+    if transform is not None:
+        options["transform"] = transform
     compressor = gift.GIFT(
         model,
         format=format,

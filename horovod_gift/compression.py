@@ -410,7 +410,8 @@ class GIFT(Checkpointing, Compressor):
 
     def stats(self):
         """Cumulative counters of this rank: steps, gradient elements, bytes this rank sent through
-        the quantized path, bits per gradient element of what it encoded (uncompressed tensors at
+        the quantized path (node_bytes_sent: the part a two-hop reduction sent inside its node,
+        in fp32 and quantized), bits per gradient element of what it encoded (uncompressed tensors at
         32), seconds spent in the codec, seconds waiting inside GIFT (for the network, and at a
         step's start for the slowest rank), and steps that took the fp32 path because a rank had
         called hvd.join() or GIFT was warming up."""

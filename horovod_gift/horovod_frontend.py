@@ -109,7 +109,7 @@ def horovod_topology(kind, node_size, process_set):
     if node_size is None and hvd.local_size() == hvd.size():   # every rank sees one node
         views = [[0, hvd.size(), rank, rank] for rank in range(hvd.size())]
     else:
-        views = hvd.allgather(torch.tensor([view], dtype=torch.int64),
+        views = hvd.allgather(torch.tensor([view], dtype=torch.int64, device="cpu"),
                               name="gift.topology").tolist()
     ranks = len(views)
     per_node, why = plan_nodes(views, ranks)

@@ -90,6 +90,7 @@ class StagePipeline:
             results = reduction.finish(over_inputs=True)
             self.results[bucket] = dict(zip(self.buckets[bucket], results))
             self.telemetry.add(bytes_sent=reduction.bytes_sent,
+                               node_bytes_sent=getattr(reduction, "node_bytes_sent", 0),
                                wait_seconds=reduction.wait_seconds)
         return self.results[bucket]
 

@@ -15,8 +15,8 @@ logger = logging.getLogger("horovod_gift")
 
 PROFILER_RANGES = ("horovod_gift.compress", "horovod_gift.decompress", "horovod_gift.refresh",
                    "horovod_gift.vote")
-COUNTERS = ("elements", "bytes_sent", "payload_bytes", "uncompressed_elements", "seconds_in_gift",
-            "wait_seconds", "joined_steps", "warmup_steps")
+COUNTERS = ("elements", "bytes_sent", "node_bytes_sent", "payload_bytes", "uncompressed_elements",
+            "seconds_in_gift", "wait_seconds", "joined_steps", "warmup_steps")
 
 
 class Telemetry:

@@ -149,3 +149,35 @@ def test_two_hop_with_a_process_set_is_refused_and_auto_goes_flat():
             assert compression.topology.describe() == "flat"
     finally:
         hvd.remove_process_set(process_set)
+
+
+def test_bytes_across_nodes_are_a_node_size_share_of_the_flat_reduction(monkeypatch, node_size):
+    """What Horovod is handed for the quantized hop across nodes, counted here, is what GIFT
+    reports (bytes_sent less node_bytes_sent), and about 2 (N - 1) / N of 1/L of the elements."""
+    counted = {"across": 0}
+    real_alltoall, real_allgather = hvd.alltoall_async, hvd.allgather_async
+
+    def across(name):      # two_hop.py names them gift.b<bucket>.l<local rank>.<stage>
+        return name.startswith("gift.b") and ".l" in name
+
+    def alltoall_async(tensor, splits=None, name=None, process_set=hvd.global_process_set):
+        if across(name):
+            counted["across"] += tensor.numel() - int(splits[process_set.rank()])
+        return real_alltoall(tensor, splits=splits, name=name, process_set=process_set)
+
+    def allgather_async(tensor, name=None, process_set=hvd.global_process_set):
+        if across(name):
+            counted["across"] += tensor.numel() * (process_set.size() - 1)
+        return real_allgather(tensor, name=name, process_set=process_set)
+
+    monkeypatch.setattr(hvd, "alltoall_async", alltoall_async)
+    monkeypatch.setattr(hvd, "allgather_async", allgather_async)
+    nodes = hvd.size() // node_size
+    model, opt, compression = make_two_hop(node_size, transform="none")
+    run(model, opt, steps=3)
+    stats = compression.stats()
+    assert stats["bytes_sent"] - stats["node_bytes_sent"] == counted["across"], (stats, counted)
+    quantized = stats["elements"] - stats["uncompressed_elements"]
+    expected = 2 * (nodes - 1) / nodes * quantized / node_size * 4.5 / 8
+    assert abs(counted["across"] - expected) < 0.15 * expected, (counted, expected)
+    assert stats["node_bytes_sent"] > 0

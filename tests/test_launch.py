@@ -1,4 +1,5 @@
 """Whole jobs under mpirun: a failing rank ends the job, and a restarted job resumes bit for bit."""
+import json
 import pathlib
 import subprocess
 import sys
@@ -133,3 +134,35 @@ def test_no_step_leaves_its_gradients_alive_in_a_cycle(tmp_path):
     )
     result = mpirun(2, str(script), timeout=180)
     assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+
+
+def test_two_hop_without_dynamic_process_sets_is_refused_on_every_rank(tmp_path):
+    """Horovod started without dynamic process sets and none for the nodes: topology="two-hop"
+    raises the same error on every rank (naming the line to add), "auto" takes the flat
+    reduction with a warning, and training goes on."""
+    script = tmp_path / "sets.py"
+    script.write_text(
+        "import json, sys, torch, horovod.torch as hvd, horovod_gift as gift\n"
+        "hvd.init()\n"
+        "model = torch.nn.Linear(64, 64)\n"
+        "raised = None\n"
+        "try:\n"
+        "    gift.GIFT(model, topology='two-hop', node_size=2, verbose=False)\n"
+        "except ValueError as error:\n"
+        "    raised = str(error)\n"
+        "compression = gift.GIFT(model, node_size=2, verbose=False)\n"
+        "opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),\n"
+        "    named_parameters=model.named_parameters(), compression=compression)\n"
+        "model(torch.randn(8, 64)).square().mean().backward()\n"
+        "opt.step()\n"
+        "with open(f'{sys.argv[1]}/rank{hvd.rank()}.json', 'w') as f:\n"     # one file a rank:
+        "    json.dump([raised, compression.topology.describe()], f)\n"    # no mixed lines
+    )
+    result = mpirun(4, str(script), str(tmp_path), timeout=180)
+    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+    outcomes = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    raised = {error for error, _ in outcomes}
+    assert len(raised) == 1 and None not in raised, outcomes
+    assert "hvd.init(process_sets='dynamic')" in raised.pop()
+    assert all(topology == "flat" for _, topology in outcomes), outcomes
+    assert "topology='auto' takes the flat reduction" in result.stdout + result.stderr

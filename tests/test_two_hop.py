@@ -21,8 +21,8 @@ def topologies(nodes, node_size):
     world = LocalGroup(ranks).communicators()
     node = [LocalGroup(node_size).communicators() for _ in range(nodes)]
     cross = [LocalGroup(nodes).communicators() for _ in range(node_size)]
-    return [TwoHop(world[r], node[r // node_size][r % node_size], cross[r % node_size][r // node_size])
-            for r in range(ranks)]
+    return [TwoHop(world[r], node[r // node_size][r % node_size],
+                   cross[r % node_size][r // node_size]) for r in range(ranks)]
 
 
 def run(reductions):
