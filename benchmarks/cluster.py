@@ -92,7 +92,9 @@ def report(results, args, elements, wall):
              f"{' '.join(map(str, args.seeds))}. Wall time {wall / 60:.0f} min.", "",
              "Node link: each node a network namespace holding its ranks (they talk over its "
              "loopback, unshaped); its one veth shaped both ways by tc tbf at the rate. "
-             "Bytes: the node's veth, sent during the second half of the steps, per step. "
+             "Bytes: the node's veth, sent during the second half of the steps, per step (mean "
+             "over those steps, and the median step, one without GIFT's refresh of its "
+             "whitening statistics, which comes every 4 steps). "
              "Ratios: per paired seed, median [min-max]. `vs fp16` of time is fp16's time over "
              "the arm's (above 1: faster than Horovod fp16).", ""]
     for config, (rates, runs, (target, table)) in results.items():
@@ -100,21 +102,32 @@ def report(results, args, elements, wall):
                 f"{args.target_step}" if target else f"{args.short_steps} steps, bytes only")
         lines += [f"## {config} ({what}; node link measured {rates[0] / 1e6:.0f} / "
                   f"{rates[1] / 1e6:.0f} Mbit/s)", "",
-                  "| arm | B / gradient element / node link | vs hvd-fp16 bytes | time to target "
-                  "(s) | vs hvd-fp16 | vs hvd-fp32 | step (s) | codec | waiting | final held-out |",
-                  "|---" * 10 + "|"]
+                  "| arm | B / gradient element / node link | vs hvd-fp16 bytes | typical step: "
+                  "B / element | vs hvd-fp16 | time to target (s) | vs hvd-fp16 | vs hvd-fp32 | "
+                  "step (s) | codec | waiting | final held-out |", "|---" * 12 + "|"]
         fp16, fp32 = table["hvd-fp16"], table["hvd-fp32"]
+        seeds = sorted({seed for _, seed in runs})
+        typical = {arm: [typical_step_bytes(runs[arm, seed]) for seed in seeds] for arm in table}
         for arm, m in table.items():
             per_element = [b / elements for b in m["bytes"]]
             by_bytes = [v / f for v, f in zip(m["bytes"], fp16["bytes"])]
+            by_typical = [v / f for v, f in zip(typical[arm], typical["hvd-fp16"])]
             lines.append(
                 f"| {arm} | {peers.fmt(per_element)} | {peers.fmt(by_bytes)}x | "
+                f"{peers.fmt([b / elements for b in typical[arm]])} | "
+                f"{peers.fmt(by_typical)}x | "
                 f"{peers.fmt(m['time'], 1)} | {_ratio_text(fp16['time'], m['time'])} | "
                 f"{_ratio_text(fp32['time'], m['time'])} | {peers.fmt(m['seconds'], 3)} | "
                 f"{peers.fmt(m['codec'], 3)} | {peers.fmt(m['wait'], 3)} | "
                 f"{peers.fmt(m['final'], 4)} |")
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def typical_step_bytes(run):
+    """The median over the second half of the steps of what node 0's link sent in a step: a step
+    without the whitening statistics' refresh (one step in refresh_every sends them too)."""
+    return statistics.median(row["bytes"] for row in run["rows"][len(run["rows"]) // 2:])
 
 
 def _ratio_text(base, values):

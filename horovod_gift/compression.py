@@ -30,7 +30,7 @@ from horovod.torch.compression import Compressor
 from torch.profiler import record_function
 
 from . import horovod_internals as internals
-from .horovod_frontend import HorovodCommunicator, horovod_topology
+from .horovod_frontend import HorovodCommunicator, horovod_topology, rebind_topology
 from .checkpoint import Checkpointing
 from .codec import Codec
 from .collective import fill_buckets
@@ -40,8 +40,7 @@ from .kernels.native import CompileCount
 from .pipeline import StagePipeline
 from .rotation import HadamardRotation
 from .statistics import WhiteningStatistics
-from .telemetry import Telemetry, logger
-from .topology import Flat
+from .telemetry import Reporting, Telemetry, logger
 from .transforms import TransformPlan
 
 HOROVOD_DTYPES = (torch.float16, torch.float32, torch.float64)
@@ -67,7 +66,7 @@ REFRESH_EVERY = 4       # steps between whitening refreshes (the class docstring
 STAT_WINDOW = 5         # steps in the statistics' EMA
 
 
-class GIFT(Checkpointing, Compressor):
+class GIFT(Checkpointing, Reporting, Compressor):
     """State of the low-precision gradient exchange for one model (see the module docstring).
 
     format: "nvfp4" | "fp8_e4m3" | "fp8_e5m2"; block_size: FP8 scale block (None: per tensor);
@@ -104,6 +103,19 @@ class GIFT(Checkpointing, Compressor):
     log_every: log one line every N steps on rank 0 (logger "horovod_gift", level INFO): bits per
     element, bytes sent, codec and wait seconds per step, and how many tensors take each
     transform; 0 (the default) logs nothing periodically.
+    topology: how a bucket is reduced over the ranks. "flat": one quantized reduce-scatter and
+    allgather over all ranks, which sends (P - L) / P of every gradient across nodes (L ranks a
+    node). "two-hop" (two_hop.py): an fp32 reduce-scatter inside each node, the quantized
+    reduction across nodes on 1/L of each bucket, an allgather inside the node: 1/L of the flat
+    bytes across nodes, for (L - 1) / L of the gradient in fp32 over the node's own links
+    (benchmarks/results/cluster.md measures both). It reduces over every rank (the global
+    process set) and needs Horovod process sets for the nodes: GIFT adds them when Horovod was
+    started with hvd.init(process_sets="dynamic"). "auto" (the default): two-hop when the job
+    has several nodes of several ranks and the process sets can be had, else flat (a warning
+    says why when only the process sets are missing).
+    node_size: consecutive ranks that share a node; None (the default) takes Horovod's local
+    size, where ranks fill nodes in order (mpirun's and horovodrun's default placement). Set it
+    to simulate nodes on one host.
     residual_dtype: torch.float32 (default) or torch.bfloat16 for the error-feedback residuals.
     They hold 1 + 1/ranks parameter elements per parameter element (stage 1 per tensor, stage 2
     per owned chunk): 4 (1 + 1/n) bytes per parameter in fp32, half that in bf16 (plus an fp32
@@ -206,13 +218,7 @@ class GIFT(Checkpointing, Compressor):
         internals.check_optimizer(optimizer, self.requested_process_set, serving)
         self.process_set = optimizer.process_set
         self.comm = self.statistics.comm = HorovodCommunicator(self.process_set)
-        if self.process_set.process_set_id != self.topology.comm.process_set.process_set_id:
-            if self.topology_request == "two-hop":
-                raise ValueError("GIFT: topology='two-hop' reduces over every rank (Horovod's "
-                                 "global process set), but hvd.DistributedOptimizer reduces over "
-                                 f"{internals.describe_process_set(self.process_set)}; use "
-                                 "topology='flat'")
-            self.topology = Flat(self.comm)
+        self.topology = rebind_topology(self.topology, self.topology_request, self.comm)
         self.average = optimizer.op == hvd.Average
         self._optimizer = weakref.ref(optimizer)
 
@@ -398,25 +404,6 @@ class GIFT(Checkpointing, Compressor):
         for name, old_inverse in change().items():
             if self.feedback:
                 self.feedback.convert(name, old_inverse, functools.partial(self.plan.forward, name))
-
-    # ---------------------------------------------------------------- telemetry
-    def describe(self):
-        counts = self.plan.counts(self.bucket_of)
-        block = f" (block {self.codec.block_size})" if self.codec.block_size else ""
-        plans = ", ".join(f"{v} tensors {k}" for k, v in sorted(counts.items()))
-        return (f"GIFT {self.codec.format}{block}, transform={self.transform}: {plans}; "
-                f"{len(self.buckets)} buckets, {self.topology.describe()}; tensors under "
-                f"{self.min_elements} elements go fp32")
-
-    def stats(self):
-        """Cumulative counters of this rank: steps, gradient elements, bytes this rank sent through
-        the quantized path (node_bytes_sent: the part a two-hop reduction sent inside its node,
-        in fp32 and quantized), bits per gradient element of what it encoded (uncompressed tensors at
-        32), seconds spent in the codec, seconds waiting inside GIFT (for the network, and at a
-        step's start for the slowest rank), and steps that took the fp32 path because a rank had
-        called hvd.join() or GIFT was warming up."""
-        return self.telemetry.stats(self.step, self.plan.counts(self.bucket_of))
-
 
 def _check_instance(obj):
     # Horovod calls compression.compress(grad): with the class itself, grad lands in `self`

@@ -149,3 +149,15 @@ def node_process_sets(groups):
             known[tuple(group)] = process_set.process_set_id
         found.append(process_set)
     return found
+
+
+def rebind_topology(topology, requested, comm):
+    """The topology for a Horovod optimizer that reduces over comm's process set: the one made
+    (over the global set) if it is that set, else flat; "two-hop" asked for is refused."""
+    if comm.process_set.process_set_id == topology.comm.process_set.process_set_id:
+        return topology
+    if requested == "two-hop":
+        raise ValueError("GIFT: topology='two-hop' reduces over every rank (Horovod's global "
+                         f"process set), but hvd.DistributedOptimizer reduces over the ranks "
+                         f"{comm.process_set.ranks}; use topology='flat'")
+    return Flat(comm)

@@ -65,3 +65,23 @@ class Telemetry:
                     (c["bytes_sent"] - last["bytes_sent"]) / n / 1e6, codec, wait,
                     (now - last["time"]) / n, plan_text)
         self._last = dict(c, steps=steps, time=now)
+
+
+class Reporting:
+    """What GIFT says of itself (a base class of GIFT, which holds the state read here)."""
+
+    def describe(self):
+        counts = self.plan.counts(self.bucket_of)
+        block = f" (block {self.codec.block_size})" if self.codec.block_size else ""
+        plans = ", ".join(f"{v} tensors {k}" for k, v in sorted(counts.items()))
+        return (f"GIFT {self.codec.format}{block}, transform={self.transform}: {plans}; "
+                f"{len(self.buckets)} buckets, {self.topology.describe()}; tensors under "
+                f"{self.min_elements} elements go fp32")
+
+    def stats(self):
+        """Cumulative counters of this rank: steps, gradient elements, bytes sent through the
+        quantized path (node_bytes_sent: the part a two-hop reduction sent inside its node),
+        bits per gradient element encoded (uncompressed tensors at 32), seconds in the codec,
+        seconds waiting inside GIFT (for the network, and at a step's start for the slowest
+        rank), and steps on the fp32 path (a rank in hvd.join(), or GIFT warming up)."""
+        return self.telemetry.stats(self.step, self.plan.counts(self.bucket_of))
