@@ -51,11 +51,13 @@ def test_sparse_gradients_bypass_compression():
 @pytest.mark.parametrize("given", [False, True])
 def test_gift_reduces_over_the_optimizers_process_set(given):
     """GIFT made with the optimizer's process set, or without one (it takes the optimizer's)."""
-    even = [r for r in range(hvd.size()) if r % 2 == 0]
-    process_set = hvd.add_process_set(even)
+    # not a set GIFT adds for nodes (those have a node's or a node count's ranks): adding one
+    # twice is an error of Horovod's
+    subset = list(range(hvd.size() - 1))
+    process_set = hvd.add_process_set(subset)
     try:
         digest = None
-        if hvd.rank() in even:
+        if hvd.rank() in subset:
             model = TinyLM()
             compression = gift.GIFT(model, format="nvfp4", verbose=False,
                                     process_set=process_set if given else None)
@@ -85,8 +87,10 @@ def test_gift_reduces_over_the_optimizers_process_set(given):
 
 
 def test_a_process_set_other_than_the_optimizers_raises_on_every_rank():
-    even = [r for r in range(hvd.size()) if r % 2 == 0]
-    process_set = hvd.add_process_set(even)
+    # not a set GIFT adds for nodes (those have a node's or a node count's ranks): adding one
+    # twice is an error of Horovod's
+    subset = list(range(hvd.size() - 1))
+    process_set = hvd.add_process_set(subset)
     try:
         model = TinyLM()
         compression = gift.GIFT(model, format="nvfp4", process_set=process_set, verbose=False)
