@@ -40,7 +40,7 @@ class Checkpointing:
         self._pending_rank_state = False
         n, me = self.comm.size, self.comm.rank
         if saved is None or (saved["ranks"], saved["rank"]) != (n, me):
-            self.reset_rank_state()
+            self._forget_rank_state()
             why = ("it has no per-rank state" if saved is None else
                    f"it was saved by rank {saved['rank']} of {saved['ranks']}, "
                    f"this is rank {me} of {n}")
@@ -53,17 +53,22 @@ class Checkpointing:
         self._scale = saved["grad_scale"]
         if self.feedback:
             feedback, topology = saved["feedback"], saved.get("topology", ("flat",))
-            if topology != self.topology.description:   # its r2 covers other parts: into r1
+            if topology not in (None, self.topology.description):   # r2 covers other parts
                 feedback = self.feedback.fold_saved(
                     feedback, lambda sizes: owned_pieces(topology, sizes, me, n, self.codec),
-                    n if self.average else 1)
+                    n if saved.get("average", True) else 1)
             self.feedback.load_state_dict(feedback,
                                           lambda k: self.params[self.buckets[k][0]].device)
 
     def reset_rank_state(self):
         """Forget what belongs to this rank in this job (error-feedback residuals, statistics
         histories, the GradScaler scale they are in) and check the ranks agree at the next step:
-        call it on every rank when the number of ranks changes (hvd.elastic's on_state_reset)."""
+        call it on every rank when the number of ranks changes (hvd.elastic's on_state_reset).
+        The nodes and their process sets are chosen again at the next step."""
+        self._forget_rank_state()
+        self.topology, self._optimizer = None, None
+
+    def _forget_rank_state(self):
         if self.feedback:
             self.feedback.reset()
         self.statistics.load_local_state_dict({})
@@ -104,7 +109,9 @@ class Checkpointing:
                              else ErrorFeedback.empty_state()),
                 "statistics": self.statistics.local_state_dict(),
                 "grad_scale": self._scale,          # the residuals' units
-                "topology": self.topology.description}     # the parts r2 covers
+                # what r2 covers, and its scale when folded into r1 (None: no step yet, no r2)
+                "topology": self.topology.description if self.topology else None,
+                "average": self.average}
         return state
 
     def load_state_dict(self, state):
@@ -114,8 +121,8 @@ class Checkpointing:
             raise ValueError(f"GIFT.load_state_dict: saved with {state['config']}, "
                              f"this GIFT is {self.config()}")
         self._pending_rank_state = state["rank_state"]
-        if self._optimizer is not None or self.requested_process_set is not None:
-            self._load_rank_state(state["rank_state"])   # else at the first step, once known
+        if self.topology is not None:   # else at the first step, once the process set is known
+            self._load_rank_state(state["rank_state"])
         self.step = state["step"]
         self.statistics.load_state_dict(state["statistics"])
         self.plan.load_state_dict(state["plan"])

@@ -30,7 +30,7 @@ from horovod.torch.compression import Compressor
 from torch.profiler import record_function
 
 from . import horovod_internals as internals
-from .horovod_frontend import HorovodCommunicator, horovod_topology, rebind_topology
+from .horovod_frontend import HorovodCommunicator, horovod_topology
 from .checkpoint import Checkpointing
 from .codec import Codec
 from .collective import fill_buckets
@@ -152,8 +152,11 @@ class GIFT(Checkpointing, Reporting, Compressor):
         self.requested_process_set = process_set
         self.process_set = process_set or hvd.global_process_set
         self.comm = HorovodCommunicator(self.process_set)
-        self.topology_request = topology
-        self.topology = horovod_topology(topology, node_size, process_set)
+        self.topology_request, self.node_size = topology, node_size
+        # with no process set given, chosen for the optimizer's set at the first step: only its
+        # ranks may be making this GIFT
+        self.topology = (horovod_topology(topology, node_size, process_set)
+                         if process_set is not None else None)
         self.average = True             # op=hvd.Average; hvd.Sum sets it False
         self._optimizer = None          # weak reference to the Horovod optimizer served
         # Parameters frozen now and trained later take an fp32 path: buckets must not wait for them.
@@ -218,7 +221,10 @@ class GIFT(Checkpointing, Reporting, Compressor):
         internals.check_optimizer(optimizer, self.requested_process_set, serving)
         self.process_set = optimizer.process_set
         self.comm = self.statistics.comm = HorovodCommunicator(self.process_set)
-        self.topology = rebind_topology(self.topology, self.topology_request, self.comm)
+        if (self.topology is None or self.topology.comm.process_set.process_set_id
+                != self.process_set.process_set_id):
+            self.topology = horovod_topology(self.topology_request, self.node_size,
+                                             self.process_set)
         self.average = optimizer.op == hvd.Average
         self._optimizer = weakref.ref(optimizer)
 
@@ -404,6 +410,7 @@ class GIFT(Checkpointing, Reporting, Compressor):
         for name, old_inverse in change().items():
             if self.feedback:
                 self.feedback.convert(name, old_inverse, functools.partial(self.plan.forward, name))
+
 
 def _check_instance(obj):
     # Horovod calls compression.compress(grad): with the class itself, grad lands in `self`

@@ -5,11 +5,11 @@ import os
 
 import horovod.torch as hvd
 import torch
-from horovod.common import process_sets
 
 from .codec import Codec
 from .collective import BucketReduction, name_key
 from .communicator import Communicator, Handle
+from .horovod_internals import node_process_sets
 from .telemetry import logger
 from .topology import Flat, TwoHop, plan_nodes
 
@@ -94,23 +94,23 @@ def allreduce(tensor, name, format="fp8_e4m3", op=None, block_size=None, roundin
 
 def horovod_topology(kind, node_size, process_set):
     """The Topology (topology.py) of a GIFT over a Horovod process set: Flat, or TwoHop over the
-    process sets of each node and across nodes, found among Horovod's or added (which needs
-    hvd.init(process_sets="dynamic")). Collective over every rank for "auto" and "two-hop";
-    every rank decides the same, and raises the same error."""
+    process sets of each node and across nodes (horovod_internals.node_process_sets). Collective
+    over every rank for "auto" and "two-hop" with the global set; every rank decides the same,
+    and raises the same error."""
     comm = HorovodCommunicator(process_set)
     if kind == "flat":
         return Flat(comm)
     if process_set is not None and process_set.process_set_id != 0:
         if kind == "two-hop":
             raise ValueError("GIFT: topology='two-hop' reduces over every rank (Horovod's global "
-                             "process set); with a process_set use topology='flat'")
+                             "process set), but the gradients are reduced over the ranks "
+                             f"{process_set.ranks}; use topology='flat'")
         return Flat(comm)
+    # every rank's view, even where each could decide alone: ranks given different node sizes
+    # must all reach plan_nodes' error, not wait in a collective the others skip
     view = [node_size or 0, hvd.local_size(), hvd.local_rank(), hvd.rank()]
-    if node_size is None and hvd.local_size() == hvd.size():   # every rank sees one node
-        views = [[0, hvd.size(), rank, rank] for rank in range(hvd.size())]
-    else:
-        views = hvd.allgather(torch.tensor([view], dtype=torch.int64, device="cpu"),
-                              name="gift.topology").tolist()
+    views = hvd.allgather(torch.tensor([view], dtype=torch.int64, device="cpu"),
+                          name="gift.topology").tolist()
     ranks = len(views)
     per_node, why = plan_nodes(views, ranks)
     if per_node is not None:
@@ -127,37 +127,4 @@ def horovod_topology(kind, node_size, process_set):
         raise ValueError(f"GIFT: topology='two-hop' needs several nodes of several ranks: {why}")
     if per_node is not None and hvd.rank() == 0:
         logger.warning("GIFT: topology='auto' takes the flat reduction: %s", why)
-    return Flat(comm)
-
-
-def node_process_sets(groups):
-    """A Horovod process set for each list of ranks in groups, found among those Horovod has or
-    added in that order (dynamic process sets); None where some are missing and none can be
-    added."""
-    known = {tuple(ranks): set_id
-             for set_id, ranks in process_sets._basics._get_process_set_ids_and_ranks().items()}
-    if (any(tuple(group) not in known for group in groups)
-            and os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0") in ("", "0")):
-        return None
-    found = []
-    for group in groups:
-        if tuple(group) in known:
-            process_set = process_sets._temp_process_set_object(known[tuple(group)])
-            process_set.ranks = group
-        else:
-            process_set = hvd.add_process_set(group)
-            known[tuple(group)] = process_set.process_set_id
-        found.append(process_set)
-    return found
-
-
-def rebind_topology(topology, requested, comm):
-    """The topology for a Horovod optimizer that reduces over comm's process set: the one made
-    (over the global set) if it is that set, else flat; "two-hop" asked for is refused."""
-    if comm.process_set.process_set_id == topology.comm.process_set.process_set_id:
-        return topology
-    if requested == "two-hop":
-        raise ValueError("GIFT: topology='two-hop' reduces over every rank (Horovod's global "
-                         f"process set), but hvd.DistributedOptimizer reduces over the ranks "
-                         f"{comm.process_set.ranks}; use topology='flat'")
     return Flat(comm)

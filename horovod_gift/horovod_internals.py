@@ -18,12 +18,14 @@ GIFT needs that optimizer's process set and op, so it reads them from the callin
 mpi_tests/test_horovod_options.py fails if Horovod changes any of these.
 """
 import logging
+import os
 import sys
 import warnings
 import weakref
 
 import horovod.torch as hvd
 import torch
+from horovod.common import process_sets
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 logger = logging.getLogger("horovod_gift")
@@ -206,3 +208,25 @@ class UnhookedParameters:
             if self.nonfinite == "raise" and not torch.isfinite(avg).all():
                 raise FloatingPointError(f"GIFT: the averaged gradient of {n} is not finite "
                                          "(a rank's gradient held NaN or Inf)")
+
+
+def node_process_sets(groups):
+    """A Horovod process set for each list of ranks in groups, found among those Horovod has or
+    added in that order (hvd.add_process_set, collective: every rank adds the same sets in the
+    same order); None where some are missing and Horovod was not started with dynamic process
+    sets. Horovod refuses a set added twice: a user's set of the same ranks is the one taken."""
+    known = {tuple(ranks): set_id
+             for set_id, ranks in process_sets._basics._get_process_set_ids_and_ranks().items()}
+    if (any(tuple(group) not in known for group in groups)
+            and os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0") in ("", "0")):
+        return None
+    found = []
+    for group in groups:
+        if tuple(group) in known:
+            process_set = process_sets._temp_process_set_object(known[tuple(group)])
+            process_set.ranks = group
+        else:
+            process_set = hvd.add_process_set(group)
+            known[tuple(group)] = process_set.process_set_id
+        found.append(process_set)
+    return found

@@ -59,10 +59,11 @@ class Telemetry:
         wait = (c["wait_seconds"] - last["wait_seconds"]) / n
         codec = (c["seconds_in_gift"] - last["seconds_in_gift"]) / n - wait
         plan_text = ", ".join(f"{v} {k}" for k, v in sorted(plans().items()))
-        logger.info("step %d: %.2f bits/element, %.3g MB sent/step, codec %.4f s/step, wait %.4f "
-                    "s/step, %.3f s/step in all; tensors: %s", steps,
-                    8.0 * payload / elements if elements else 0.0,
-                    (c["bytes_sent"] - last["bytes_sent"]) / n / 1e6, codec, wait,
+        sent = (c["bytes_sent"] - last["bytes_sent"]) / n / 1e6
+        inside = (c["node_bytes_sent"] - last["node_bytes_sent"]) / n / 1e6
+        logger.info("step %d: %.2f bits/element, %.3g MB sent/step (%.3g of it inside the node), "
+                    "codec %.4f s/step, wait %.4f s/step, %.3f s/step in all; tensors: %s", steps,
+                    8.0 * payload / elements if elements else 0.0, sent, inside, codec, wait,
                     (now - last["time"]) / n, plan_text)
         self._last = dict(c, steps=steps, time=now)
 
@@ -75,7 +76,9 @@ class Reporting:
         block = f" (block {self.codec.block_size})" if self.codec.block_size else ""
         plans = ", ".join(f"{v} tensors {k}" for k, v in sorted(counts.items()))
         return (f"GIFT {self.codec.format}{block}, transform={self.transform}: {plans}; "
-                f"{len(self.buckets)} buckets, {self.topology.describe()}; tensors under "
+                f"{len(self.buckets)} buckets, "
+                f"{self.topology.describe() if self.topology else 'topology at the first step'}; "
+                "tensors under "
                 f"{self.min_elements} elements go fp32")
 
     def stats(self):

@@ -40,17 +40,19 @@ class TwoHopLayout:
     def __init__(self, sizes, node_size, nodes, align, codec):
         node = BucketLayout.of(sizes, node_size, align)
         self.node_pieces, self.node_elements = node.pieces, node.owned
-        self.node_starts = np.cumsum([0] + node.owned).tolist()
+        # per node chunk, where each of its pieces starts in the chunk's sum
+        self.node_offsets = [np.cumsum([0] + [hi - lo for _, lo, hi in chunk]).tolist()
+                             for chunk in node.pieces]
         self.splits = torch.tensor(node.owned, dtype=torch.int32, device="cpu")
         self.cross = [BucketLayout.of(tuple(hi - lo for _, lo, hi in chunk), nodes, align, codec)
                       for chunk in node.pieces]
         self.slot = max(nodes * layout.slot for layout in self.cross)
         per_tensor = [[] for _ in sizes]
-        for l, (chunk, layout) in enumerate(zip(node.pieces, self.cross)):
+        for local, (chunk, layout) in enumerate(zip(node.pieces, self.cross)):
             for j, (i, lo, _) in enumerate(chunk):
                 pieces = layout.gathered[j]
                 per_tensor[i].append((pieces.starts + lo, pieces.ends + lo,
-                                      pieces.offsets + l * self.slot, pieces.chunks))
+                                      pieces.offsets + local * self.slot, pieces.chunks))
         self.gathered = [TensorPieces(*(np.concatenate(part) for part in zip(*parts)), i)
                          for i, parts in enumerate(per_tensor)]
 
@@ -147,14 +149,14 @@ class TwoHopReduction:
         total = rows[0].clone()
         for row in rows[1:]:    # in local-rank order: the same sum whatever arrived first
             total.add_(row)
-        chunk = self.layout.node_pieces[local]
-        offsets = np.cumsum([0] + [hi - lo for _, lo, hi in chunk]).tolist()
+        chunk, offsets = self.layout.node_pieces[local], self.layout.node_offsets[local]
         flats = [total[a:b] for a, b in zip(offsets, offsets[1:])]
         residual1 = (None if self.residual1_whole is None else
                      [self.residual1_whole[i][lo:hi] for i, lo, hi in chunk])
         self.across = BucketReduction(
             f"{self.name}.l{local}", flats, self.codec, self.cross, residual1, self.residual2,
             step=self.step, key=mix_seed(self.key, local), divisor=self.divisor).start()
+        self.across.flats = None    # only start() reads the node's sum: freed once encoded
 
     def _share_across_node(self, gathered):
         out = torch.empty(self.layout.slot, dtype=torch.uint8, device=self.device)

@@ -37,8 +37,8 @@ def make_two_hop(node_size, **kw):
 def test_two_hop_trains_like_flat_with_every_rank_identical(node_size):
     flat = run(*make("nvfp4", topology="flat")[:2], steps=30)
     model, opt, compression = make_two_hop(node_size, transform="auto")
-    assert "two-hop" in compression.describe(), compression.describe()
     losses = run(model, opt, steps=30)
+    assert "two-hop" in compression.describe(), compression.describe()
     assert_identical_on_all_ranks(list(model.parameters()), "parameters after 30 two-hop steps")
     final, reference = sum(losses[-5:]) / 5, sum(flat[-5:]) / 5
     assert losses[-1] < 0.5 * losses[0], losses
@@ -123,13 +123,22 @@ def test_op_sum_in_two_hops(node_size):
     assert_identical_on_all_ranks([layer.weight.grad], "summed gradient")
 
 
+def first_step(**options):
+    """One step of TinyLM with GIFT(**options): the topology is chosen there."""
+    model = TinyLM()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=gift.GIFT(model, verbose=False, **options))
+    run(model, opt, steps=1)
+
+
 def test_two_hop_that_cannot_be_formed_is_refused_on_every_rank():
-    """Every rank raises the same error, and none waits on the others."""
+    """Every rank raises the same error at the first step, and none waits on the others."""
     with pytest.raises(ValueError, match="needs several nodes of several ranks") as raised:
-        gift.GIFT(TinyLM(), topology="two-hop", node_size=hvd.size(), verbose=False)
+        first_step(topology="two-hop", node_size=hvd.size())
     assert_same_on_all_ranks(str(raised.value), "the error")
     with pytest.raises(ValueError, match="node_size differs across ranks"):
-        gift.GIFT(TinyLM(), topology="auto", node_size=1 + hvd.rank() % 2, verbose=False)
+        first_step(topology="auto", node_size=1 + hvd.rank() % 2)
     with pytest.raises(ValueError, match="unknown topology"):
         gift.GIFT(TinyLM(), topology="ring", verbose=False)
 
@@ -140,12 +149,21 @@ def test_two_hop_with_a_process_set_is_refused_and_auto_goes_flat():
     if process_set is hvd.global_process_set:
         pytest.skip("needs a process set smaller than the job")
     try:
-        if hvd.rank() in ranks:
+        if hvd.rank() in ranks:     # only the set's ranks make these GIFTs
             with pytest.raises(ValueError, match="global process set"):
                 gift.GIFT(TinyLM(), topology="two-hop", node_size=2, process_set=process_set,
                           verbose=False)
             compression = gift.GIFT(TinyLM(), node_size=2, process_set=process_set,
                                     verbose=False)
+            assert compression.topology.describe() == "flat"
+            model = TinyLM()    # and with the set taken from the optimizer at the first step
+            compression = gift.GIFT(model, node_size=2, verbose=False)
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters(),
+                                           compression=compression, process_set=process_set)
+            opt.zero_grad()
+            model(torch.zeros(2, 4, dtype=torch.long)).sum().backward()
+            opt.step()
             assert compression.topology.describe() == "flat"
     finally:
         hvd.remove_process_set(process_set)

@@ -45,10 +45,10 @@ if [ "$which" = all ] || [ "$which" = mpi ]; then
     run_mpi "$np" mpi_tests
   done
   # Horovod's options and training again with nodes of 2 ranks (GIFT's auto topology: two-hop),
-  # less what only the flat reduction has (its byte count, the rotation's fold, subsets of ranks)
+  # less what only the flat reduction has (its byte count, the rotation's fold)
   echo "=== mpi_tests/ (options and training) under mpirun -np 4 as 2 nodes x 2 ranks ==="
   GIFT_TEST_NODE_SIZE=2 run_mpi 4 mpi_tests/test_gift.py mpi_tests/test_horovod_options.py \
-    -k "not bytes_on_the_wire and not native_kernels and not process_set"
+    -k "not bytes_on_the_wire and not native_kernels"
   # the collective at 8 ranks (oversubscribed here): the tests that run it end to end, and
   # two hops as 2 nodes x 4 ranks and 4 x 2
   echo "=== mpi_tests/ (the collective's tests) under mpirun -np 8 ==="

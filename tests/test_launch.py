@@ -144,17 +144,20 @@ def test_two_hop_without_dynamic_process_sets_is_refused_on_every_rank(tmp_path)
     script.write_text(
         "import json, sys, torch, horovod.torch as hvd, horovod_gift as gift\n"
         "hvd.init()\n"
-        "model = torch.nn.Linear(64, 64)\n"
+        "def step(topology):\n"
+        "    model = torch.nn.Linear(64, 64)\n"
+        "    compression = gift.GIFT(model, topology=topology, node_size=2, verbose=False)\n"
+        "    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),\n"
+        "        named_parameters=model.named_parameters(), compression=compression)\n"
+        "    model(torch.randn(8, 64)).square().mean().backward()\n"
+        "    opt.step()\n"
+        "    return compression\n"
         "raised = None\n"
         "try:\n"
-        "    gift.GIFT(model, topology='two-hop', node_size=2, verbose=False)\n"
+        "    step('two-hop')\n"
         "except ValueError as error:\n"
         "    raised = str(error)\n"
-        "compression = gift.GIFT(model, node_size=2, verbose=False)\n"
-        "opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),\n"
-        "    named_parameters=model.named_parameters(), compression=compression)\n"
-        "model(torch.randn(8, 64)).square().mean().backward()\n"
-        "opt.step()\n"
+        "compression = step('auto')\n"
         "with open(f'{sys.argv[1]}/rank{hvd.rank()}.json', 'w') as f:\n"     # one file a rank:
         "    json.dump([raised, compression.topology.describe()], f)\n"    # no mixed lines
     )

@@ -8,7 +8,9 @@ import torch
 from horovod_gift.codec import Codec
 from horovod_gift.collective import BucketLayout
 from horovod_gift.communicator import LocalGroup
-from horovod_gift.feedback import ErrorFeedback, fold_into
+from horovod_gift.feedback import ErrorFeedback
+from horovod_gift.pipeline import StagePipeline
+from horovod_gift.telemetry import Telemetry
 from horovod_gift.topology import Flat, TwoHop, owned_pieces, plan_nodes
 from horovod_gift.two_hop import TwoHopLayout
 
@@ -126,19 +128,6 @@ def test_error_feedback_cancels_the_quantization_error_over_steps():
     assert drift[True] < 0.25 * drift[False], drift
 
 
-def test_a_residual_outside_the_node_chunk_is_carried_by_the_node_sum():
-    """An r1 with values everywhere (after a change of basis) added to u before the node's sum
-    (what GIFT does for ErrorFeedback.spread names) reaches the average as the flat reduction's
-    r1 would: the average of u + r1 over ranks."""
-    nodes, node_size, codec = 2, 2, Codec("fp8_e4m3")
-    ranks = nodes * node_size
-    grads, extra = gradients(ranks, seed=3), gradients(ranks, seed=4)
-    carried = [[g + e for g, e in zip(gs, es)] for gs, es in zip(grads, extra)]
-    results, _ = reduce_once(topologies(nodes, node_size), carried, codec)
-    exact = torch.stack([g[3].double() + e[3].double() for g, e in zip(grads, extra)]).mean(0)
-    assert (results[0][3].double() - exact).norm() / exact.norm() < 0.05
-
-
 def test_owned_pieces_tile_the_bucket_and_match_the_reduction():
     """Every element of the bucket is in exactly one rank's r2 (so fold loses nothing), and each
     rank's r2 has the size its reduction writes."""
@@ -156,19 +145,43 @@ def test_owned_pieces_tile_the_bucket_and_match_the_reduction():
 
 
 def test_a_flat_state_folds_into_r1_for_another_topology():
-    """ErrorFeedback.fold_saved: r2 of the saving topology added (times the scale) where it
-    covers, r1 made where missing; the state given is left as it was."""
+    """ErrorFeedback.fold_saved: rank 1 of 2's r2 covers elements 96-159 of the bucket [a (100),
+    b (60)] (chunks of 32-element units: 3 and 2), so a[96:100] and all of b get 2 x r2 (an
+    average over 2 ranks); r1 made where missing, every r1 spread, the state given unchanged."""
     params = {"a": torch.nn.Parameter(torch.zeros(100)), "b": torch.nn.Parameter(torch.zeros(60))}
     feedback = ErrorFeedback(params, [["a", "b"]], 32)
-    r2 = torch.arange(1.0, 81.0)
-    state = {"residual1": {"a": torch.ones(100)}, "residual2": {0: r2}}
-    parts = owned_pieces(("flat",), [100, 60], 1, 2, Codec("nvfp4"))
-    folded = feedback.fold_saved(state, lambda sizes: parts, 2)
-    expected = [torch.ones(100), torch.zeros(60)]
-    fold_into(expected, r2, parts, 2)
-    assert torch.equal(folded["residual1"]["a"], expected[0])
-    assert torch.equal(folded["residual1"]["b"], expected[1])
-    assert folded["residual2"] == {} and torch.equal(state["residual1"]["a"], torch.ones(100))
+    r2 = torch.arange(1.0, 65.0)
+    state = {"residual1": {"a": torch.ones(100)}, "residual2": {0: r2}, "spread": []}
+    folded = feedback.fold_saved(
+        state, lambda sizes: owned_pieces(("flat",), sizes, 1, 2, Codec("nvfp4")), 2)
+    a = torch.ones(100)
+    a[96:] += 2 * r2[:4]
+    assert torch.equal(folded["residual1"]["a"], a)
+    assert torch.equal(folded["residual1"]["b"], 2 * r2[4:])
+    assert folded["residual2"] == {} and folded["spread"] == ["a", "b"]
+    assert torch.equal(state["residual1"]["a"], torch.ones(100)) and "b" not in state["residual1"]
+
+
+def test_the_pipeline_moves_two_hop_reductions_through_their_stages():
+    """StagePipeline.progress on every rank in turn (never waiting) takes each bucket's two-hop
+    reduction through its four collectives and decodes it: the same bits on every rank as the
+    reductions driven alone."""
+    nodes, node_size, codec = 2, 2, Codec("nvfp4")
+    ranks = nodes * node_size
+    grads = gradients(ranks, seed=5)
+    expected, _ = reduce_once(topologies(nodes, node_size), grads, codec)
+    pipelines = [StagePipeline([["w0", "w1", "w2", "w3"]], Telemetry()) for _ in range(ranks)]
+    for top, pipeline, g in zip(topologies(nodes, node_size), pipelines, grads):
+        pipeline.start(0, top.reduction("b0", [t.clone() for t in g], codec, None, None, True,
+                                        0, [None] * 4, 0))
+    for _ in range(10):
+        for pipeline in pipelines:
+            pipeline.progress()
+    assert all(0 in p.results and not p.in_flight for p in pipelines)
+    for pipeline in pipelines:
+        for name, flat in zip(["w0", "w1", "w2", "w3"], expected[0]):
+            assert torch.equal(pipeline.results[0][name], flat), name
+    assert pipelines[0].telemetry.counters["node_bytes_sent"] > 0
 
 
 def test_small_buckets_take_the_flat_reduction():
