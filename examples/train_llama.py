@@ -151,7 +151,8 @@ def make_schedule(optimizer):
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
-    hvd.init()
+    # dynamic process sets: on nodes of several GPUs GIFT adds the sets its two-hop reduction uses
+    hvd.init(process_sets="dynamic")
     torch.manual_seed(args.seed)
     device, autocast = place(args.device)
     model = build_model(args, device)
