@@ -57,11 +57,19 @@ def run_config(config, timed, args):
     out_dir = ROOT / "runs" / "cluster" / config
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = {}
+    seeds = args.seeds if timed else args.seeds[:1]
+    if config in args.reuse:
+        rates = json.loads((out_dir / "link.json").read_text())
+        runs = {(arm, seed): json.loads((out_dir / f"{arm}-s{seed}.json").read_text())
+                for arm in args.arms for seed in seeds}
+        args.step_time_only = [] if timed else [config]
+        return rates, runs, peers.summarize(runs, seeds, config, args)
     with net.Network(ranks, rate, per_node=per_node) as network:
         rates = (network.measure(0, 1), network.measure(1, 0))
+        (out_dir / "link.json").write_text(json.dumps(rates))
         print(f"{config}: node 0 <-> 1 measured {rates[0] / 1e6:.0f} / {rates[1] / 1e6:.0f} "
               "Mbit/s", flush=True)
-        for i, seed in enumerate(args.seeds if timed else args.seeds[:1]):
+        for i, seed in enumerate(seeds):
             order = args.arms[i % len(args.arms):] + args.arms[:i % len(args.arms)]
             for arm in order:
                 out = out_dir / f"{arm}-s{seed}.json"
@@ -72,7 +80,6 @@ def run_config(config, timed, args):
                 print(f"  {config} seed {seed} {arm}: {seconds:.0f} s, held-out "
                       f"{runs[arm, seed]['evals'][-1]['heldout']:.4f}", flush=True)
     args.step_time_only = [] if timed else [config]
-    seeds = args.seeds if timed else args.seeds[:1]
     return rates, runs, peers.summarize(runs, seeds, config, args)
 
 
@@ -178,6 +185,9 @@ def parse_args():
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--run-timeout", type=int, default=900)
+    p.add_argument("--reuse", nargs="*", default=[],
+                   help="configurations whose runs (and link rates) are read from runs/cluster/ "
+                        "as an earlier invocation left them, not run again")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cluster.md"))
     args = p.parse_args()
     args.command = " ".join([".venv/bin/python", "benchmarks/cluster.py"] + sys.argv[1:])

@@ -40,12 +40,14 @@ def gloo():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("arm", peers_worker.ARMS)
+@pytest.mark.parametrize("arm", peers_worker.ARMS + list(peers_worker.NODE_ARMS))
 def test_arm_trains_and_keeps_replicas_identical(arm, gloo):
+    if arm.endswith("2hop") and COMM.size < 4:
+        pytest.skip("two hops need 2 nodes of 2 ranks")     # benchmarks/cluster.py's arms
     args = peers_worker.parse_args([
         "--arm", arm, "--steps", str(STEPS), "--eval-every", "2", "--powersgd-start", "2",
         "--dim", "64", "--layers", "1", "--seq-len", "32", "--batch-size", "2",
-        "--eval-batches", "2", "--quiet"])
+        "--eval-batches", "2", "--quiet", "--node-size", "2"])
     torch.manual_seed(args.seed)
     initial = [p.detach().clone() for p in peers_worker.train_llama.build_model(
         args, torch.device("cpu")).parameters()]
