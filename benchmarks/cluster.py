@@ -21,7 +21,6 @@ Writes benchmarks/results/cluster.md and cluster.png; raw per-run JSON under run
 import argparse
 import json
 import pathlib
-import signal
 import statistics
 import sys
 import time
@@ -177,14 +176,7 @@ def parse_args():
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--target-step", type=int, default=90)
     p.add_argument("--short-steps", type=int, default=12)
-    p.add_argument("--eval-every", type=int, default=15)
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--global-batch", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--run-timeout", type=int, default=900)
+    peers.add_training_flags(p)
     p.add_argument("--reuse", nargs="*", default=[],
                    help="configurations whose runs (and link rates) are read from runs/cluster/ "
                         "as an earlier invocation left them, not run again")
@@ -197,12 +189,8 @@ def parse_args():
 
 def main():
     args = parse_args()
-    reason = net.available()
-    if reason:
-        print(f"cluster.py: {reason}: nothing measured")
+    if not peers.can_shape("cluster.py"):
         return 0
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda *_: sys.exit(1))
     t0 = time.perf_counter()
     elements = gradient_elements(args)
     results = {}

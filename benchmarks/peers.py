@@ -221,6 +221,31 @@ def plot(runs, seeds, arms, target, path):
     fig.savefig(path, dpi=110)
 
 
+def add_training_flags(p):
+    """The model, data and run flags peers.py and cluster.py share."""
+    p.add_argument("--eval-every", type=int, default=15)
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--global-batch", type=int, default=16,
+                   help="sequences per step over all ranks (8 a rank on 2 ranks, 4 on 4)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--run-timeout", type=int, default=900, help="seconds a run may take")
+
+
+def can_shape(script):
+    """True where the shaped network can be built; else says why. A SIGTERM or SIGHUP then
+    unwinds through the finally blocks, so the namespaces go with the run."""
+    reason = net.available()
+    if reason:
+        print(f"{script}: {reason}: nothing measured")
+        return False
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: sys.exit(1))
+    return True
+
+
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -232,15 +257,7 @@ def parse_args():
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--target-step", type=int, default=120)
     p.add_argument("--short-steps", type=int, default=16)
-    p.add_argument("--eval-every", type=int, default=15)
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--global-batch", type=int, default=16,
-                   help="sequences per step over all ranks (8 a rank on 2 ranks, 4 on 4)")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--run-timeout", type=int, default=900, help="seconds a run may take")
+    add_training_flags(p)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "peers.md"))
     args = p.parse_args()
     args.command = " ".join([".venv/bin/python", "benchmarks/peers.py"] + sys.argv[1:])
@@ -251,13 +268,8 @@ def parse_args():
 
 def main():
     args = parse_args()
-    reason = net.available()
-    if reason:
-        print(f"peers.py: {reason}: nothing measured")
+    if not can_shape("peers.py"):
         return 0
-    # a SIGTERM or SIGHUP unwinds through the finally blocks, so the namespaces go with us
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda *_: sys.exit(1))
     t_start = time.perf_counter()
     with net.Network(2, None, offloads=False) as network:
         offloads_off = network.measure(0, 1)
