@@ -14,10 +14,15 @@ from .two_hop import TwoHopLayout, TwoHopReduction
 TOPOLOGIES = ("auto", "flat", "two-hop")
 
 
+def takes_two_hops(sizes, node_size, codec):
+    """Whether a bucket of tensors with these sizes is large enough for every node chunk."""
+    return sum(sizes) >= node_size * codec.align
+
+
 def owned_pieces(description, sizes, rank, ranks, codec):
     """The (tensor, lo, hi) parts of a bucket of tensors with these sizes whose stage-2 residual
     `rank` of `ranks` holds under the topology `description`, in the order of that residual."""
-    if description[0] == "two-hop" and sum(sizes) >= description[1] * codec.align:
+    if description[0] == "two-hop" and takes_two_hops(sizes, description[1], codec):
         node_size = description[1]
         layout = TwoHopLayout.of(tuple(sizes), node_size, ranks // node_size, codec.align, codec)
         return layout.owned_pieces(rank // node_size, rank % node_size)
@@ -83,7 +88,7 @@ class TwoHop(Flat):
         return f"two-hop: {self.cross.size} nodes x {self.node.size} ranks"
 
     def reduction(self, name, flats, codec, residual1, residual2, average, step, maxima, key):
-        if sum(f.numel() for f in flats) < self.node.size * codec.align:
+        if not takes_two_hops([f.numel() for f in flats], self.node.size, codec):
             return super().reduction(name, flats, codec, residual1, residual2, average, step,
                                      maxima, key)
         return TwoHopReduction(name, flats, codec, self.node, self.cross, residual1, residual2,
