@@ -87,6 +87,10 @@ class Llama(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim)
+        # tied output projection, an nn.Linear as in transformers: GIFT whitens the shared weight
+        # with the statistics of the head's input
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.embed.weight
         cos, sin = rotary_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -98,7 +102,7 @@ class Llama(nn.Module):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, cos, sin)
-        logits = self.norm(x) @ self.embed.weight.t()  # tied output projection
+        logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits
         return logits, F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -67,9 +67,10 @@ def bits_per_element(name, compressor):
     return {"none": 32.0, "fp16": 16.0}[name]
 
 
-def parse_args(argv=None):
+def make_parser(description=__doc__):
+    """The flags of this script (examples/train_hf.py adds its own to them)."""
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--compression", default="gift-nvfp4", choices=list(COMPRESSIONS))
     p.add_argument("--steps", type=int, default=200)
@@ -124,7 +125,11 @@ def parse_args(argv=None):
         choices=("cpu", "cuda"),
         help="cuda: each rank on GPU hvd.local_rank(), bf16 autocast where supported",
     )
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return make_parser().parse_args(argv)
 
 
 def build_model(args, device):
@@ -148,14 +153,16 @@ def make_schedule(optimizer):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def main(argv=None, parse=parse_args, build=build_model):
+    """Train; parse(argv) gives the arguments, build(args, device) the model (default: the Llama
+    of model.py), which returns (logits, loss) of model(tokens, targets)."""
+    args = parse(argv)
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     # dynamic process sets: on nodes of several GPUs GIFT adds the sets its two-hop reduction uses
     hvd.init(process_sets="dynamic")
     torch.manual_seed(args.seed)
     device, autocast = place(args.device)
-    model = build_model(args, device)
+    model = build(args, device)
     compression, compressor = make_compression(
         args.compression,
         model,

@@ -1,5 +1,6 @@
-"""Whitening statistics: a Nystrom sketch of A = E[x x^T] of every trained nn.Linear's input
-(sketch.py), summed over ranks, and factors that are bit-identical on every rank (each statistic's
+"""Whitening statistics: a Nystrom sketch of A = E[x x^T] of the input of every trained linear
+module (linear_layers.py: nn.Linear, transformers' Conv1D, registered classes; sketch.py), summed
+over ranks, and factors that are bit-identical on every rank (each statistic's
 factors are computed by one rank and broadcast).
 
 Every step's forward pass adds its activations' sketch to a per-step EMA kept on each rank:
@@ -19,6 +20,12 @@ tensor still alive, so its memory was not reused) shares the statistic of that l
 layer takes the owner any rank saw it share (one no rank saw running owns its own), and ranks
 that saw the same layer share with different owners raise. Collective names derive from the
 owners, so they are identical on every rank.
+
+Activation checkpointing runs a layer's forward again inside backward. Each call is counted once:
+a forward inside backward is skipped when the same module's forward was counted before it and
+not yet replayed (torch.utils.checkpoint's default, non-reentrant, runs the first forward with
+grad), and counted when it was not (reentrant checkpointing runs the first forward without grad;
+its statistics then land in the next step's sums, still from earlier batches at every refresh).
 """
 import logging
 import weakref
@@ -26,47 +33,79 @@ import weakref
 import torch
 
 from .geometry import IDENTITY_FACTORS, InputWhitening
+from .linear_layers import linear_readers
 
 
 class WhiteningStatistics:
-    """Forward pre-hooks on the nn.Linear layers whose weights are trained: the owners' hooks sum
-    their sketches over each step's forward passes, advance() folds them into the history, and
-    refresh() turns the histories into factors. whitening maps every weight name to its
-    InputWhitening (one object for the layers that share an input, once sharing is settled)."""
+    """Forward pre-hooks on the linear modules (linear_layers.py) whose weights are trained: the
+    owners' hooks sum their sketches over each step's forward passes, advance() folds them into
+    the history, and refresh() turns the histories into factors. whitening maps every weight name
+    to its InputWhitening (one object for the layers that share an input, once sharing is
+    settled); transposed holds the names of weights stored (in, out)."""
 
     def __init__(self, model, params, rank, damping, refresh_every, window, comm):
         self.refresh_every, self.rank, self.damping = refresh_every, rank, damping
         self.window, self.decay = window, 1.0 - 1.0 / window
         self.comm = comm     # a Communicator; may be replaced before the first refresh
-        self.whitening, self._modules, self._handles = {}, {}, []
+        self.whitening, self._handles = {}, []
+        self._weights, self._in_features, self.transposed = {}, {}, set()
+        self.readers = {}        # weight name -> names of the modules whose inputs it is fed
+        self.borrowed = {}       # weight name -> reader modules it is not the attribute of (tied)
         self._sums = {}          # owner -> this step's [sketch sums, tokens], activations' device
         self._history = {}       # owner -> EMA of earlier steps' sums (module docstring)
         self._owner = None       # weight name -> owner weight name, once settled
         self._first_owner = {}   # until settled: weight name -> owner, from the layer's first input
         self._readers = {}       # until settled: input key -> (weak reference to the input, owner)
-        for module_name, module in model.named_modules():
-            weight = f"{module_name}.weight" if module_name else "weight"
-            if isinstance(module, torch.nn.Linear) and weight in params:
-                self._modules[weight] = module
-                self._handles.append(module.register_forward_pre_hook(self._hook(weight)))
+        for name, modules in linear_readers(model, params).items():
+            shapes = {(layout.layout, layout.in_features(params[name]))
+                      for _, _, layout in modules}
+            if len(shapes) > 1:
+                raise ValueError(f"GIFT: the modules {[m for m, _, _ in modules]} read {name} "
+                                 f"as linear layers of different layouts {sorted(shapes)}")
+            (layout, in_features), = shapes
+            self._weights[name], self._in_features[name] = params[name], in_features
+            if layout == "in_out":
+                self.transposed.add(name)
+            self.readers[name] = [module_name for module_name, _, _ in modules]
+            borrowed = [module_name for module_name, _, layout in modules
+                        if _attribute_path(module_name, layout.weight) != name]
+            if borrowed:
+                self.borrowed[name] = borrowed
+            for _, module, layout in modules:
+                self._handles.append(module.register_forward_pre_hook(
+                    self._hook(name, layout, shared_weight=len(modules) > 1), with_kwargs=True))
         self._share(None)
 
     def remove_hooks(self):
         for handle in self._handles:
             handle.remove()
 
-    def _hook(self, name):
-        def collect(module, inputs):
+    def _hook(self, name, layout, shared_weight):
+        # forwards counted outside backward and not yet replayed by activation checkpointing
+        pending = [0]
+
+        def collect(module, args, kwargs):
             if not (module.training and torch.is_grad_enabled()):
                 return
+            if _in_backward():
+                # a checkpointed layer recomputing its forward: count it only if its first
+                # forward was not (reentrant checkpointing runs that one without grad)
+                if pending[0] > 0:
+                    pending[0] -= 1
+                    return
+            else:
+                pending[0] += 1
+            x = layout.activations(module, args, kwargs)
             if self._owner is not None:
                 owner = self._owner[name]
             else:
-                owner = self._first_reader(name, inputs[0])
+                # a weight read by several modules sees several inputs: it owns its statistic
+                owner = (self._first_owner.setdefault(name, name) if shared_weight
+                         else self._first_reader(name, x))
             if owner != name:
                 return                       # the owner's hook sums this very input
             statistic = self.whitening[name].statistic
-            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).to(statistic.dtype)
+            x = x.detach().reshape(-1, x.shape[-1]).to(statistic.dtype)
             sums = self._sums.get(name)
             if sums is None:
                 sums = self._sums[name] = torch.zeros(statistic.numel + 1, dtype=statistic.dtype,
@@ -95,18 +134,18 @@ class WhiteningStatistics:
         folded in only by refresh); owner_of None: each layer its own, sharing still unsettled."""
         self._owner, self._first_owner, self._readers = owner_of, {}, {}
         owners = {}
-        for name, module in self._modules.items():
+        for name in self._weights:
             owner = name if owner_of is None else owner_of[name]
             if owner not in owners:
                 # ema 0: the statistic is replaced by each refresh's (the EMA is the history)
-                owners[owner] = InputWhitening(module.in_features, rank=self.rank,
+                owners[owner] = InputWhitening(self._in_features[name], rank=self.rank,
                                                damping=self.damping, ema=0.0)
             self.whitening[name] = owners[owner]
 
     def _settle_sharing(self):
         """Agree with the other ranks on who shares (module docstring); False if no rank has seen
         a layer run yet (then sharing stays unsettled)."""
-        names = sorted(self._modules)
+        names = sorted(self._weights)
         index = {name: i for i, name in enumerate(names)}
         seen = [index[self._first_owner[name]] if name in self._first_owner else -1
                 for name in names]
@@ -127,7 +166,7 @@ class WhiteningStatistics:
         return True
 
     def due(self, step):
-        return bool(self._modules) and step % self.refresh_every == 0
+        return bool(self._weights) and step % self.refresh_every == 0
 
     def advance(self):
         """Fold this step's sums into the history (local: no collective). Call it once a step,
@@ -154,7 +193,7 @@ class WhiteningStatistics:
         if self._owner is None and not self._settle_sharing():
             return {}
         owners = sorted(set(self._owner.values()))
-        device = self._modules[owners[0]].weight.device
+        device = self._weights[owners[0]].device
         lengths = [self.whitening[owner].statistic.numel + 1 for owner in owners]
         # every history in one allreduce, one name (a name per layer would thrash engines'
         # response caches at 8B shapes); never run here: add nothing (zeros)
@@ -166,7 +205,7 @@ class WhiteningStatistics:
         n, me = self.comm.size, self.comm.rank
         factors = {}            # root rank -> [(owner, flat factors)], broadcast by that root
         for i, (owner, sums) in enumerate(zip(owners, torch.split(summed, lengths))):
-            sums = sums.to(self._modules[owner].weight.device)      # back to its layer's
+            sums = sums.to(self._weights[owner].device)      # back to its layer's
             tokens, w = float(sums[-1]), self.whitening[owner]
             if tokens == 0:
                 continue
@@ -190,7 +229,7 @@ class WhiteningStatistics:
         for root, handle in handles:
             group = factors[root]
             parts = torch.split(handle.wait(), [f.numel() for _, f in group])
-            broadcasts.extend((owner, part.to(self._modules[owner].weight.device))
+            broadcasts.extend((owner, part.to(self._weights[owner].device))
                               for (owner, _), part in zip(group, parts))
         changed, failed = {}, []
         for owner, flat in broadcasts:
@@ -213,7 +252,7 @@ class WhiteningStatistics:
         return {owner: h.to("cpu", copy=True) for owner, h in self._history.items()}
 
     def load_local_state_dict(self, state):
-        self._history = {owner: h.to(self._modules[owner].weight.device, copy=True)
+        self._history = {owner: h.to(self._weights[owner].device, copy=True)
                          for owner, h in state.items()}
 
     def state_dict(self):
@@ -226,7 +265,7 @@ class WhiteningStatistics:
     def load_state_dict(self, state):
         self._share(state["owner"])
         for name, w_state in state["whitening"].items():
-            device = self._modules[name].weight.device
+            device = self._weights[name].device
             self.whitening[name].load_state_dict(w_state, device)
 
 
@@ -238,3 +277,13 @@ def _factors_or_nan(whitening, device):
     except (ValueError, RuntimeError) as error:     # torch.linalg's errors are RuntimeErrors
         logging.getLogger("horovod_gift").error("whitening factors failed: %s", error)
         return torch.full((whitening.factor_numel(),), float("nan"), device=device)
+
+
+def _in_backward():
+    """Whether autograd's engine is running this thread's code: a forward inside backward is
+    activation checkpointing's recomputation (torch.utils.checkpoint asks the same way)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _attribute_path(module_name, attribute):
+    return f"{module_name}.{attribute}" if module_name else attribute

@@ -1,12 +1,13 @@
 """Which transform each gradient takes, and applying it.
 
 "none", "hadamard" (randomized Hadamard rotation of the flattened tensor), "whiten" (input
-whitening; nn.Linear weights only, other tensors take "none") and "whiten+hadamard" (other
-tensors take "hadamard"). "auto" starts every tensor at "none" and, on each refresh step after the
-first, re-picks per tensor the candidate with the smallest round-trip error on that step's
-gradients summed over ranks (so every rank picks the same). The factors of a refresh step come
-from earlier batches only, as on the steps that follow it, so the vote measures what they will
-get. The GIFT class docstring says when to use which (benchmarks/results/fidelity.md).
+whitening of the weights of linear modules, linear_layers.py; other tensors take "none") and
+"whiten+hadamard" (other tensors take "hadamard"). "auto" starts every tensor at "none" and, on
+each refresh step after the first, re-picks per tensor the candidate with the smallest round-trip
+error on that step's gradients summed over ranks (so every rank picks the same). The factors of a
+refresh step come from earlier batches only, as on the steps that follow it, so the vote measures
+what they will get. The GIFT class docstring says when to use which
+(benchmarks/results/fidelity.md).
 """
 
 import functools
@@ -67,9 +68,10 @@ class TransformPlan:
 
         x = g.detach().to(torch.float32)
         if plan.startswith("whiten"):
-            w = self.statistics.whitening[name]
-            rows = x.reshape(-1, w.in_features)
-            x = w.forward(rows, out=rows if writable(rows) and rows.is_contiguous() else None)
+            rows = self._rows(name, x)
+            in_place = writable(rows) and (rows.is_contiguous() or rows.t().is_contiguous())
+            x = self._from_rows(name, self.statistics.whitening[name].forward(
+                rows, out=rows if in_place else None))
         flat = x.reshape(-1).contiguous()
         return flat, flat if writable(flat) else None
 
@@ -81,10 +83,22 @@ class TransformPlan:
         if plan.endswith("hadamard"):
             x = self.rotation.apply(u, inverse=True, out=u if in_place else None)
         if plan.startswith("whiten"):
-            w = self.statistics.whitening[name]
-            rows = x.view(-1, w.in_features)
-            x = w.inverse(rows, factors=factors, out=rows if in_place else None).reshape(-1)
+            rows = self._rows(name, x)
+            x = self._from_rows(name, self.statistics.whitening[name].inverse(
+                rows, factors=factors, out=rows if in_place else None)).reshape(-1)
         return x
+
+    def _rows(self, name, x):
+        """x (the weight's shape, or flat) as the (out, in) matrix the whitening acts on: a view
+        of x's storage, transposed for a weight stored (in, out) (transformers' Conv1D)."""
+        in_features = self.statistics.whitening[name].in_features
+        if name in self.statistics.transposed:
+            return x.reshape(in_features, -1).t()
+        return x.reshape(-1, in_features)
+
+    def _from_rows(self, name, rows):
+        """The inverse of _rows' view: back to the weight's own layout (a copy if it was new)."""
+        return rows.t() if name in self.statistics.transposed else rows
 
     def record(self, name, g, codec):
         """On a refresh step under "auto": this rank's round-trip error of each candidate
