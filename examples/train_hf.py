@@ -89,7 +89,7 @@ def build_model(args, device):
 
     model = AutoModelForCausalLM.from_config(make_config(args))
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     model = CausalLM(model).to(device).train()
     return torch.compile(model) if args.compile else model
 

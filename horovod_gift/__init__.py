@@ -9,6 +9,7 @@ __version__ = "0.3.0"
 from .config import FORMATS, ROUNDINGS, use_kernels
 from .formats import Encoded, decode, encode
 from .geometry import InputWhitening
+from .linear_layers import register_linear
 from .rotation import HadamardRotation
 
 # name -> module of the Horovod frontend (imported on first use)
@@ -26,6 +27,7 @@ __all__ = [
     "decode",
     "HadamardRotation",
     "InputWhitening",
+    "register_linear",
 ]
 
 
