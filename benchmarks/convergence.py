@@ -1,4 +1,5 @@
-"""Convergence of the compression arms, paired over seeds: examples/train_llama.py on 2 ranks.
+"""Convergence of the compression arms, paired over seeds: examples/train_llama.py on 2 ranks, or
+examples/train_hf.py's transformers model with --config (gpt2, llama --tie-embeddings yes, ...).
 
 Each seed fixes the initialization and the data order, the same in every arm (paired). Endpoint:
 the held-out loss at the last step (fixed held-out batches), as a mean paired difference to fp32
@@ -38,9 +39,9 @@ def run(arm, seed, args, out_dir):
     csv_path = out_dir / f"{tag}.csv"
     if not csv_path.exists():
         command = ["bash", str(ROOT / "scripts" / "mpirun.sh"), str(args.ranks),
-                   str(ROOT / ".venv" / "bin" / "python"),
-                   str(ROOT / "examples" / "train_llama.py"),
-                   "--compression", compression, "--steps", str(args.steps), "--seed", str(seed),
+                   str(ROOT / ".venv" / "bin" / "python"), str(ROOT / script(args)),
+                   *model_flags(args), "--compression", compression,
+                   "--steps", str(args.steps), "--seed", str(seed),
                    "--dim", str(args.dim), "--layers", str(args.layers), "--lr", str(args.lr),
                    "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches),
                    "--gradient-error", "--quiet", "--csv", str(csv_path)]
@@ -60,6 +61,17 @@ def run(arm, seed, args, out_dir):
             "gradient": [float(r["gradient_rel_l2"]) for r in rows],
             "bits": float(rows[-1]["bits_per_element"]),
             "seconds": sum(float(r["seconds"]) for r in rows)}
+
+
+def script(args):
+    """The training script: examples/train_llama.py, or train_hf.py for a transformers model."""
+    return "examples/train_hf.py" if args.config else "examples/train_llama.py"
+
+
+def model_flags(args):
+    if not args.config:
+        return []
+    return ["--config", args.config, "--tie-embeddings", args.tie_embeddings]
 
 
 def interval(values):
@@ -116,9 +128,14 @@ def main():
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS))
+    p.add_argument("--config", default=None,
+                   help="a transformers model type (gpt2, llama, ...): examples/train_hf.py")
+    p.add_argument("--tie-embeddings", default="config", choices=("config", "yes", "no"))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "convergence.md"))
     args = p.parse_args()
     regime = f"d{args.dim}-l{args.layers}-lr{args.lr}-n{args.steps}"
+    if args.config:
+        regime = f"{args.config}-tie{args.tie_embeddings}-{regime}"
     out_dir = ROOT / "runs" / "convergence" / regime
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
@@ -131,7 +148,8 @@ def main():
         "",
         "Command: `.venv/bin/python benchmarks/convergence.py " + shlex.join(sys.argv[1:]) + "`",
         "",
-        f"examples/train_llama.py, dim {args.dim}, {args.layers} layers, {args.steps} "
+        f"{script(args)} {shlex.join(model_flags(args))}, dim {args.dim}, "
+        f"{args.layers} layers, {args.steps} "
         f"steps, AdamW lr {args.lr} (20 warm-up steps), {args.ranks} ranks on one 2-core "
         f"machine, batch 16 x 128 bytes per rank; seeds {args.seeds} (each: initialization "
         "and data order, shared by all arms). Held-out loss: mean over "

@@ -84,6 +84,9 @@ class WhiteningStatistics:
         # forwards counted outside backward and not yet replayed by activation checkpointing
         pending = [0]
 
+        # run as Python under torch.compile: its side effects (the sums, the first reader's
+        # weak reference) are not traceable, and the input must be the real tensor
+        @torch.compiler.disable
         def collect(module, args, kwargs):
             if not (module.training and torch.is_grad_enabled()):
                 return
