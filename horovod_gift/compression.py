@@ -6,7 +6,7 @@
 
 Per step and parameter g (Horovod calls compress(g) when g is ready, decompress(out, ctx) in
 synchronize()):
-    u = T(g)                  T: K-FAC input whitening for nn.Linear weights, randomized Hadamard
+    u = T(g)                  T: K-FAC input whitening for linear weights, randomized Hadamard
                               rotation, both, or neither (see TRANSFORMS)
     sum or avg(u) over ranks  quantized reduce-scatter + allgather of buckets (collective.py),
                               with error feedback on both quantization stages
@@ -77,9 +77,10 @@ class GIFT(Checkpointing, Reporting, Compressor):
 
     Geometry (benchmarks/results/fidelity.md measures each choice on a small Llama's gradients, with
     statistics from earlier batches only, as training has them):
-    transform: "whiten" (the default) whitens every compressed nn.Linear weight gradient with the
-    symmetric inverse root of its input statistic (geometry.py) and sends other tensors as they
-    are. At step 100 it cuts the round-trip error 2.2-2.5x for FP8 E5M2 and NVFP4, and the error
+    transform: "whiten" (the default) whitens the gradient of every compressed weight of a linear
+    module (nn.Linear, transformers' Conv1D, classes given to gift.register_linear; a weight tied
+    to an LM head, by the head's input: linear_layers.py) with the symmetric inverse root of its
+    input statistic (geometry.py) and sends other tensors as they are. At step 100 it cuts the round-trip error 2.2-2.5x for FP8 E5M2 and NVFP4, and the error
     of AdamW's update direction 2.0-2.4x. "whiten+hadamard" adds a randomized Hadamard
     rotation: 3-14 % less Euclidean error, but 33-56 % more error in AdamW's update (it moves
     error onto coordinates with small second moments); "hadamard" alone does the same without
