@@ -218,7 +218,7 @@ class SimulatedRanks:
 
     def __init__(self, n, codec, transform, shapes, whitening, device):
         self.n, self.codec, self.shapes, self.device = n, codec, shapes, device
-        statistics = types.SimpleNamespace(whitening={"fc.weight": whitening})
+        statistics = types.SimpleNamespace(whitening={"fc.weight": whitening}, transposed=set())
         self.plan = TransformPlan(dict.fromkeys(shapes), transform, statistics,
                                   HadamardRotation(HADAMARD_BLOCK, codec.seed))
         self.group = LocalGroup(n)

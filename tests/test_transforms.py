@@ -21,7 +21,7 @@ def make_plan(transform="auto"):
     whitening.update(torch.randn(512, IN, generator=g) @ torch.randn(IN, IN, generator=g))
     params = {"w": torch.nn.Parameter(torch.zeros(OUT, IN)),
               "b": torch.nn.Parameter(torch.zeros(3000))}
-    statistics = SimpleNamespace(whitening={"w": whitening})
+    statistics = SimpleNamespace(whitening={"w": whitening}, transposed=set())
     return TransformPlan(params, transform, statistics, HadamardRotation(128, 0)), params
 
 
