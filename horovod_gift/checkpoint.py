@@ -32,7 +32,8 @@ class Checkpointing:
                     damping=self.statistics.damping,
                     nonfinite=self.nonfinite, residual_dtype=str(self.residual_dtype),
                     start_step=self.start_step,
-                    model=_fingerprint((self.buckets, shapes)))
+                    model=_fingerprint((self.buckets, shapes)),
+                    linear=_fingerprint(self.linear_layers))
 
     def _load_rank_state(self, saved):
         """This rank's residuals and statistics histories, if they were saved on a job of this
@@ -85,6 +86,8 @@ class Checkpointing:
             return
         diff = sorted({k for c in configs for k in c if c.get(k) != configs[0].get(k)})
         hint = {"model": " (the model's parameter names or shapes, or the buckets, differ)",
+                "linear": " (the linear layers whitened differ: call gift.register_linear on "
+                          "every rank)",
                 "step": " (load the compressor's state_dict on every rank, not only on one)"}
         per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{k}={c.get(k)!r}" for k in diff)
                              for r, c in enumerate(configs))

@@ -37,6 +37,7 @@ from .collective import fill_buckets
 from .config import check_arguments
 from .feedback import ErrorFeedback
 from .kernels.native import CompileCount
+from .linear_layers import linear_readers
 from .pipeline import StagePipeline
 from .rotation import HadamardRotation
 from .statistics import WhiteningStatistics
@@ -78,15 +79,16 @@ class GIFT(Checkpointing, Reporting, Compressor):
     Geometry (benchmarks/results/fidelity.md measures each choice on a small Llama's gradients, with
     statistics from earlier batches only, as training has them):
     transform: "whiten" (the default) whitens the gradient of every compressed weight of a linear
-    module (nn.Linear, transformers' Conv1D, classes given to gift.register_linear; a weight tied
-    to an LM head, by the head's input: linear_layers.py) with the symmetric inverse root of its
-    input statistic (geometry.py) and sends other tensors as they are. At step 100 it cuts the round-trip error 2.2-2.5x for FP8 E5M2 and NVFP4, and the error
-    of AdamW's update direction 2.0-2.4x. "whiten+hadamard" adds a randomized Hadamard
-    rotation: 3-14 % less Euclidean error, but 33-56 % more error in AdamW's update (it moves
-    error onto coordinates with small second moments); "hadamard" alone does the same without
-    the gain. "auto" picks per tensor among none / hadamard / whiten / whiten+hadamard by the
-    Euclidean round-trip error on each refresh step (4 codec round trips per tensor there): use it
-    with SGD-like optimizers, where the Euclidean error is what counts. "none": no transform.
+    module (nn.Linear, transformers' Conv1D, classes given to gift.register_linear; a weight tied to
+    an LM head, by the head's input: linear_layers.py) with the symmetric inverse root of its input
+    statistic (geometry.py) and sends other tensors as they are. At step 100 it cuts the round-trip
+    error 2.2-2.5x for FP8 E5M2 and NVFP4, and the error of AdamW's update direction 2.0-2.4x.
+    "whiten+hadamard" adds a randomized Hadamard rotation: 3-14 % less Euclidean error, but 33-56 %
+    more error in AdamW's update (it moves error onto coordinates with small second moments);
+    "hadamard" alone does the same without the gain. "auto" picks per tensor among none / hadamard /
+    whiten / whiten+hadamard by the Euclidean round-trip error on each refresh step (4 codec round
+    trips per tensor there): use it with SGD-like optimizers, where the Euclidean error is what
+    counts. "none": no transform.
     whitening_rank: eigenpairs of each input statistic kept; the cost is O(out * in * rank) per
     gradient and O(in * rank) memory. 64 gains 2-6 % over 32; 16 loses 7-15 %.
     damping: the floor added to the statistic, relative to its mean eigenvalue tr(A) / in. 1.0 was
@@ -166,6 +168,10 @@ class GIFT(Checkpointing, Reporting, Compressor):
         sparse = internals.sparse_gradient_parameters(model)
         compressed = [n for n, p in reversed(trainable)           # backward order
                       if p.numel() >= min_elements and n not in sparse]
+        # the linear layers found, whatever the transform: ranks must agree on them
+        self.linear_layers = sorted(
+            (name, [(module_name, layout.layout) for module_name, _, layout in modules])
+            for name, modules in linear_readers(model, self.params).items())
         # only tensors that are compressed can be whitened
         whitenable = ({n: self.params[n] for n in compressed}
                       if transform in WHITENING_TRANSFORMS else {})

@@ -113,3 +113,31 @@ def test_gift_made_before_or_after_torch_compile_trains_as_eager(order):
         moved += float((p - p0).square().sum())
         apart += float((q - p).square().sum())
     assert (apart / moved) ** 0.5 < 0.01, (apart / moved) ** 0.5
+
+
+class Projection(torch.nn.Module):
+    """A linear layer GIFT knows only once registered."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(64, 32))
+
+    def forward(self, x):
+        return x @ self.weight.t()
+
+
+def test_a_linear_class_registered_on_one_rank_only_raises_on_every_rank():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), Projection())
+    if hvd.rank() == 0:
+        gift.register_linear(Projection)
+    try:
+        compression = gift.GIFT(model, min_elements=256, verbose=False)
+    finally:
+        gift.linear_layers.REGISTRY.pop(Projection, None)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=compression)
+    with pytest.raises(ValueError, match="call gift.register_linear on every rank"):
+        model(torch.randn(4, 32)).sum().backward()      # the check runs at the first gradient
+        opt.step()
