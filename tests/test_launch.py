@@ -169,3 +169,16 @@ def test_two_hop_without_dynamic_process_sets_is_refused_on_every_rank(tmp_path)
     assert "hvd.init(process_sets='dynamic')" in raised.pop()
     assert all(topology == "flat" for _, topology in outcomes), outcomes
     assert "topology='auto' takes the flat reduction" in result.stdout + result.stderr
+
+
+def test_a_transformers_model_with_checkpointing_trains_with_its_linear_weights_whitened():
+    """examples/train_hf.py: GPT-2 from its config, activation checkpointing, every Conv1D and
+    the tied embedding whitened (mpi_tests/test_transformers.py checks the ranks agree)."""
+    result = mpirun(2, str(ROOT / "examples" / "train_hf.py"), "--config", "gpt2",
+                    "--gradient-checkpointing", *TRAIN[1:], "--compression", "gift-nvfp4",
+                    "--steps", "6")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "5 weights of linear modules (4 stored in x out), read through another module: " \
+           "model.transformer.wte.weight by model.lm_head" in output
+    assert "done: 6 steps on 2 ranks" in output
