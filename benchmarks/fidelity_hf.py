@@ -136,7 +136,9 @@ def summary(results, args):
     out = ["## Summary", "",
            "Gain of whiten over none (RelL2) on the linear and tied-embedding groups; other 2-D: "
            "RelL2 and Adam RelL2 under none -> hadamard; all 2-D: RelL2 of GIFT's default plan "
-           "(whiten, others none) against all-none, and with others hadamard.", "",
+           "(whiten, others none) against all-none, and with others hadamard. Adam RelL2 of "
+           "hadamard explodes where the rotation leaks error into elements whose gradient is "
+           "always 0 (v_hat = 0, a weight of 1 / eps): rows of bytes absent from the corpus.", "",
            "| model | codec | step | linear gain | tied gain | other RelL2 none -> hadamard "
            "| other Adam none -> hadamard | all 2-D none -> whiten (gain) | whiten, others had. |",
            "|---|---|---|---|---|---|---|---|---|"]
