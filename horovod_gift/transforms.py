@@ -69,9 +69,9 @@ class TransformPlan:
         x = g.detach().to(torch.float32)
         if plan.startswith("whiten"):
             rows = self._rows(name, x)
-            in_place = writable(rows) and (rows.is_contiguous() or rows.t().is_contiguous())
+            over_rows = writable(rows) and (rows.is_contiguous() or rows.t().is_contiguous())
             x = self._from_rows(name, self.statistics.whitening[name].forward(
-                rows, out=rows if in_place else None))
+                rows, out=rows if over_rows else None))
         flat = x.reshape(-1).contiguous()
         return flat, flat if writable(flat) else None
 
