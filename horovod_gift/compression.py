@@ -42,7 +42,7 @@ from .pipeline import StagePipeline
 from .rotation import HadamardRotation
 from .statistics import WhiteningStatistics
 from .telemetry import Reporting, Telemetry, logger
-from .transforms import TransformPlan
+from .transforms import WHITENING_TRANSFORMS, TransformPlan
 
 HOROVOD_DTYPES = (torch.float16, torch.float32, torch.float64)
 
@@ -61,8 +61,6 @@ class StepState:
     pipeline: StagePipeline = None        # the step's bucket reductions
 
 
-# The statistics and their forward hooks exist only where a whitening transform can be chosen.
-WHITENING_TRANSFORMS = ("auto", "whiten", "whiten+hadamard")
 REFRESH_EVERY = 4       # steps between whitening refreshes (the class docstring says why)
 STAT_WINDOW = 5         # steps in the statistics' EMA
 

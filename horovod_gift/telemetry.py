@@ -11,6 +11,8 @@ Horovod's own timeline ranges for the same tensors.
 import logging
 import time
 
+from .transforms import WHITENING_TRANSFORMS
+
 logger = logging.getLogger("horovod_gift")
 
 PROFILER_RANGES = ("horovod_gift.compress", "horovod_gift.decompress", "horovod_gift.refresh",
@@ -85,7 +87,7 @@ class Reporting:
         """The weights whitened as linear modules' (linear_layers.py), those read by a module
         they do not belong to (a tied LM head), and the 2-D weights no linear module reads."""
         stats = self.statistics
-        if self.transform not in ("auto", "whiten", "whiten+hadamard"):
+        if self.transform not in WHITENING_TRANSFORMS:
             return ""
         text = f"{len(stats.readers)} weights of linear modules"
         if stats.transposed:

@@ -164,9 +164,7 @@ def test_statistics_are_taken_under_torch_compile(registered, order):
         stats, compiled = statistics_of(model), torch.compile(model, backend="aot_eager")
     else:
         compiled = torch.compile(model, backend="aot_eager")
-        stats = WhiteningStatistics(compiled, dict(compiled.named_parameters()), rank=4,
-                                    damping=1.0, refresh_every=1, window=5,
-                                    comm=LocalGroup(1).communicators()[0])
+        stats = statistics_of(compiled)
     for seed in range(3):
         step(eager, reference, tokens(seed))
         step(compiled, stats, tokens(seed))
