@@ -36,7 +36,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 from horovod_gift.codec import Codec  # noqa: E402
 from horovod_gift.communicator import LocalGroup  # noqa: E402
-from horovod_gift.compression import REFRESH_EVERY, STAT_WINDOW  # noqa: E402
+from horovod_gift.core import REFRESH_EVERY, STAT_WINDOW  # noqa: E402
 from horovod_gift.rotation import HadamardRotation  # noqa: E402
 from horovod_gift.statistics import WhiteningStatistics  # noqa: E402
 from horovod_gift.transforms import TransformPlan  # noqa: E402

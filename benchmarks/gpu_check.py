@@ -211,10 +211,10 @@ def gradients(shapes, n, step):
 
 
 class SimulatedRanks:
-    """GIFT's per-step path for n ranks of one bucket, as GIFT._compress/_start/_second_stage/
-    _result run it: TransformPlan.forward in place, a BucketReduction per rank whose stage-1
-    residuals (per tensor) and stage-2 residual (per owned chunk) persist across steps, every
-    start, every exchange, finish over the inputs, TransformPlan.inverse in place."""
+    """GIFT's per-step path for n ranks of one bucket, as GiftCore and its StagePipeline run it:
+    TransformPlan.forward in place, a BucketReduction per rank whose stage-1 residuals (per
+    tensor) and stage-2 residual (per owned chunk) persist across steps, every start, every
+    exchange, finish over the inputs, TransformPlan.inverse in place."""
 
     def __init__(self, n, codec, transform, shapes, whitening, device):
         self.n, self.codec, self.shapes, self.device = n, codec, shapes, device

@@ -65,6 +65,16 @@ class StagePipeline:
             self._exchange(*waiting[0])
         self.exchanged = True
 
+    def advance(self, bucket):
+        """Move one bucket one stage on (its next exchange(), or finish()), waiting for its
+        collective: for engines that match collectives by call order, where what happens next
+        must not depend on what has arrived."""
+        reduction = self.reductions[bucket]
+        if reduction.stage < reduction.final_stage:
+            self._exchange(bucket, reduction)
+        else:
+            self.finish(bucket)
+
     def _exchange(self, bucket, reduction):
         device = reduction.flats[0].device
         if device.type == "cuda":

@@ -1,0 +1,277 @@
+"""GIFT's engine-neutral core: the state and step logic every frontend shares.
+
+A frontend (compression.GIFT for Horovod, ddp.GiftState for a DDP communication hook) makes a
+GiftCore over a Communicator (communicator.py) and a Topology (topology.py), and per step:
+    begin_step()            first gradient of a step: rank check, warm-up, whitening refresh
+    transformed(name, g)    u = T(g) with error feedback folded in where it can be
+    start(bucket)           the bucket's quantized reduction, once all its members are in
+    result(name)            T^-1 of the reduced u, in the gradient's shape and dtype
+    end_step()              scrub non-finite residuals, the "auto" vote, step += 1
+The reductions of a step live in a StagePipeline (pipeline.py); when each moves to its next
+stage is the frontend's choice (Horovod matches collectives by name, torch.distributed by call
+order). The class docstring documents every option.
+"""
+import functools
+import gc
+
+import torch
+from torch.profiler import record_function
+
+from .checkpoint import Checkpointing
+from .codec import Codec
+from .collective import fill_buckets
+from .config import check_arguments
+from .feedback import ErrorFeedback
+from .kernels.native import CompileCount
+from .linear_layers import linear_readers
+from .pipeline import StagePipeline
+from .rotation import HadamardRotation
+from .statistics import WhiteningStatistics
+from .telemetry import Reporting, Telemetry, logger
+from .transforms import WHITENING_TRANSFORMS, TransformPlan
+
+REFRESH_EVERY = 4       # steps between whitening refreshes (the class docstring says why)
+STAT_WINDOW = 5         # steps in the statistics' EMA
+
+
+class GiftCore(Checkpointing, Reporting):
+    """State of the low-precision gradient exchange for one model.
+
+    format: "nvfp4" | "fp8_e4m3" | "fp8_e5m2"; block_size: FP8 scale block (None: per tensor);
+    error_feedback: keep each stage's quantization error and add it back next step; nonfinite:
+    "nan" (a non-finite gradient comes back NaN on every rank) or "raise" (every rank raises).
+
+    Geometry (benchmarks/results/fidelity.md measures each choice on a small Llama's gradients, with
+    statistics from earlier batches only, as training has them):
+    transform: "whiten" (the default) whitens the gradient of every compressed weight of a linear
+    module (nn.Linear, transformers' Conv1D, classes given to gift.register_linear; a weight tied to
+    an LM head, by the head's input: linear_layers.py) with the symmetric inverse root of its input
+    statistic (geometry.py) and sends other tensors as they are. At step 100 it cuts the round-trip
+    error 2.2-2.5x for FP8 E5M2 and NVFP4, and the error of AdamW's update direction 2.0-2.4x.
+    "whiten+hadamard" adds a randomized Hadamard rotation: 3-14 % less Euclidean error, but 33-56 %
+    more error in AdamW's update (it moves error onto coordinates with small second moments);
+    "hadamard" alone does the same without the gain. "auto" picks per tensor among none / hadamard /
+    whiten / whiten+hadamard by the Euclidean round-trip error on each refresh step (4 codec round
+    trips per tensor there): use it with SGD-like optimizers, where the Euclidean error is what
+    counts. "none": no transform.
+    whitening_rank: eigenpairs of each input statistic kept; the cost is O(out * in * rank) per
+    gradient and O(in * rank) memory. 64 gains 2-6 % over 32; 16 loses 7-15 %.
+    damping: the floor added to the statistic, relative to its mean eigenvalue tr(A) / in. 1.0 was
+    best of 0.01 ... 3 (0.1: 1.3x more error, 3: 1.1x); lower it only with fresher statistics.
+    refresh_every: steps between recomputations of the whitening factors (an allreduce of
+    in * (rank + 21) floats, an O(in * rank^2) factorization on one rank, a broadcast, per input).
+    Statistics one step old gave 7 % less error than five steps old, and 1.3x less than 20.
+    stat_window: the statistics are an EMA over steps with decay 1 - 1 / stat_window. 5 came
+    within 3 % of a one-step-old statistic; 20 gave 5-10 % more error.
+    start_step: warm-up; steps before it take the engine's own fp32 reduction, bit for bit as
+    without GIFT, while the whitening statistics gather; compression starts with zero residuals.
+    grad_scaler: the torch.amp.GradScaler of fp16 training. The residuals are in its scaled units;
+    GIFT rescales them whenever the scale changes. Without it, a change of scale leaves them off
+    by the ratio of the scales (a backoff after an overflow makes them 2x too large).
+    log_every: log one line every N steps on rank 0 (logger "horovod_gift", level INFO): bits per
+    element, bytes sent, codec and wait seconds per step, and how many tensors take each
+    transform; 0 (the default) logs nothing periodically.
+    topology: how a bucket is reduced over the ranks. "flat": one quantized reduce-scatter and
+    allgather over all ranks, which sends (P - L) / P of every gradient across nodes (L ranks a
+    node). "two-hop" (two_hop.py): an fp32 reduce-scatter inside each node, the quantized
+    reduction across nodes on 1/L of each bucket, an allgather inside the node: 1/L of the flat
+    bytes across nodes, for (L - 1) / L of the gradient in fp32 over the node's own links
+    (benchmarks/results/cluster.md measures both). It reduces over every rank. "auto" (the
+    default): two-hop when the job has several nodes of several ranks, else flat.
+    node_size: consecutive ranks that share a node; None (the default) takes the launcher's local
+    size, where ranks fill nodes in order (mpirun's, horovodrun's and torchrun's placement). Set
+    it to simulate nodes on one host.
+    residual_dtype: torch.float32 (default) or torch.bfloat16 for the error-feedback residuals.
+    They hold 1 + 1/ranks parameter elements per parameter element (stage 1 per tensor, stage 2
+    per owned chunk): 4 (1 + 1/n) bytes per parameter in fp32, half that in bf16 (plus an fp32
+    workspace the size of the largest piece encoded). bf16 keeps about 3 significant digits of
+    an error that is itself ~1e-2 of the gradient, and costs one conversion pass per encode.
+    bucket_elements: the most elements a bucket of gradients reduced together holds (larger:
+    fewer, larger messages); min_elements: tensors under it go fp32, uncompressed.
+    """
+
+    def __init__(self, model, comm, format="nvfp4", transform="whiten", error_feedback=True,
+                 block_size=None, rounding="nearest", seed=0, bucket_elements=1 << 22,
+                 min_elements=1024, whitening_rank=32, damping=1.0, refresh_every=REFRESH_EVERY,
+                 stat_window=STAT_WINDOW, hadamard_block=128, nonfinite="nan",
+                 residual_dtype=torch.float32, start_step=0, grad_scaler=None, log_every=0,
+                 topology="auto", node_size=None, verbose=True, uncompressed=()):
+        """comm: the Communicator of the ranks that reduce; uncompressed: names of parameters
+        the engine reduces itself (no bucket may wait for them)."""
+        check_arguments(model, format, block_size, rounding, transform, nonfinite, damping,
+                        start_step, grad_scaler, residual_dtype,
+                        topology, node_size, refresh_every=refresh_every,
+                        stat_window=stat_window, whitening_rank=whitening_rank)
+        try:
+            rotation = HadamardRotation(hadamard_block, seed)
+        except ValueError:
+            raise ValueError(f"GIFT: hadamard_block must be a power of two, "
+                             f"got {hadamard_block!r}") from None
+        params = list(model.named_parameters())
+        trainable = [(n, p) for n, p in params if p.requires_grad]
+        if not trainable:
+            raise ValueError("GIFT: the model has no trainable parameters")
+        self.codec = Codec(format, block_size, rounding, seed)
+        self.transform, self.error_feedback, self.nonfinite = transform, error_feedback, nonfinite
+        self.min_elements, self.verbose, self.residual_dtype = min_elements, verbose, residual_dtype
+        self.comm = comm
+        self.topology_request, self.node_size = topology, node_size
+        self.topology = None            # the frontend's Topology, chosen before the first step
+        self.average = True             # a sum when False
+        self.params = dict(params)
+        compressed = [n for n, p in reversed(trainable)           # backward order
+                      if p.numel() >= min_elements and n not in uncompressed]
+        # the linear layers found, whatever the transform: ranks must agree on them
+        self.linear_layers = sorted(
+            (name, [(module_name, layout.layout) for module_name, _, layout in modules])
+            for name, modules in linear_readers(model, self.params).items())
+        # only tensors that are compressed can be whitened
+        whitenable = ({n: self.params[n] for n in compressed}
+                      if transform in WHITENING_TRANSFORMS else {})
+        self.statistics = WhiteningStatistics(model, whitenable, whitening_rank, damping,
+                                              refresh_every, stat_window, comm)
+        self.plan = TransformPlan(self.params, transform, self.statistics, rotation)
+        self.buckets = fill_buckets(compressed, {n: self.params[n].numel() for n in compressed},
+                                    bucket_elements)
+        self.bucket_of = {n: k for k, names in enumerate(self.buckets) for n in names}
+        self.feedback = (ErrorFeedback(self.params, self.buckets, self.codec.align, residual_dtype)
+                         if error_feedback else None)
+        self.step = 0
+        self._verify = True
+        self._pending_rank_state = False  # loaded before the communicator was known: apply later
+        self.start_step, self.grad_scaler = start_step, grad_scaler
+        self._scale = None              # the GradScaler's scale the residuals are in
+        self.telemetry = Telemetry(log_every)
+        self._compiles_seen = CompileCount.count
+
+    # ---------------------------------------------------------------- one step
+    def new_pipeline(self):
+        return StagePipeline(self.buckets, self.telemetry)
+
+    def begin_step(self, largest_step=None):
+        """At a step's first gradient, on every rank: whether this step compresses (False during
+        the warm-up). Collective at the first step (the ranks' configurations) and on refresh
+        steps. largest_step: the largest step count among the ranks, where the engine learns it
+        (ranks back from hvd.join() take it)."""
+        if self._pending_rank_state is not False:
+            self._load_rank_state(self._pending_rank_state)
+        if self._verify:
+            self._check_ranks_agree()
+            self._verify = False
+        elif largest_step is not None:  # a mismatch before the first check is that check's error
+            self.step = largest_step
+        # warm-up: the engine's fp32 path, while the statistics gather (the factors are ready when
+        # compression starts, and the residuals start at zero then)
+        compressing = self.step >= self.start_step
+        self.telemetry.add(warmup_steps=int(not compressing))
+        self._follow_grad_scaler()
+        # "auto" judges the candidates on refresh steps (factors from earlier batches only, as on
+        # the steps that follow); step 0 has no earlier batch
+        self.plan.begin_step(evaluating=compressing and self.step >= 1
+                             and self.statistics.due(self.step))
+        if self.statistics.due(self.step):
+            with record_function("horovod_gift.refresh"):
+                self._change_transforms(lambda: {
+                    name: functools.partial(self.plan.inverse, name, factors=old_factors)
+                    for name, old_factors in self.statistics.refresh().items()})
+        self.statistics.advance()
+        if self.step == 0 and self.verbose and self.comm.rank == 0:
+            logger.info("%s", self.describe())
+        return compressing
+
+    def _follow_grad_scaler(self):
+        """The residuals hold gradients in the GradScaler's units: when its scale changes (growth,
+        or backoff after a step it skipped), rescale them with it. Every rank reads the same
+        scale: the scaler judges the averaged gradients, identical on every rank."""
+        if self.grad_scaler is None:
+            return
+        scale = float(self.grad_scaler.get_scale())
+        if self.feedback and self._scale is not None and scale != self._scale:
+            self.feedback.rescale(scale / self._scale)
+        self._scale = scale
+
+    def transformed(self, name, g):
+        """(u = T(g), flat fp32, over g's storage where it can be; its pieces' amax bits when the
+        rotation folded r1 in, else None)."""
+        self.plan.record(name, g, self.codec)
+        if (self.feedback and self.feedback.dtype == torch.float32 and self.topology.folds
+                and self.plan.folds(name, g)):
+            return self.plan.forward_folded(
+                name, g, *self.feedback.residual_pieces(name, self.comm.size))
+        u = self.plan.forward(name, g, in_place=True)
+        # an r1 with values outside this rank's part goes into the node's sum (two_hop.py)
+        spread = self.feedback.take_spread(name) if self.feedback else None
+        if spread is not None and not self.topology.folds:
+            u.add_(spread)
+            spread.zero_()
+        return u, None
+
+    def reduction(self, bucket, flats, maxima):
+        """The bucket's quantized reduction (not started): flats, its members' u in bucket
+        order (zeros for one not sent); maxima: their amax bits or None."""
+        names = self.buckets[bucket]
+        residual1 = residual2 = None
+        if self.feedback:
+            residual1 = self.feedback.first_stage(names)
+            owned = self.topology.owned_pieces([f.numel() for f in flats], self.codec)
+            residual2 = self.feedback.second_stage(bucket, sum(hi - lo for _, lo, hi in owned),
+                                                   flats[0].device)
+        self.telemetry.add(payload_bytes=sum(self.codec.payload_bytes(f.numel()) for f in flats))
+        return self.topology.reduction(f"gift.b{bucket}", flats, self.codec, residual1,
+                                       residual2, self.average, self.step, maxima, bucket)
+
+    def zeros(self, name, dtype=torch.float32):
+        """A flat zero tensor of a parameter's size on that parameter's device."""
+        p = self.params[name]
+        return torch.zeros(p.numel(), dtype=dtype, device=p.device)
+
+    def result(self, name, u, shape, dtype):
+        """The averaged gradient of name from its reduced u (overwritten)."""
+        return self.plan.inverse(name, u, in_place=True).view(shape).to(dtype)
+
+    def check_finite(self, name, result):
+        """Under nonfinite="raise", raise (on every rank: the result is the same bytes there) when
+        the averaged gradient of name is not finite."""
+        if self.nonfinite == "raise" and not torch.isfinite(result).all():
+            raise FloatingPointError(f"GIFT: the averaged gradient of {name} is not finite "
+                                     "(a rank's gradient held NaN or Inf)")
+
+    def scrub(self, pipeline):
+        """Residuals made non-finite by this step's gradients back to zero: one verdict for every
+        bucket of the step (one host sync on a GPU), before the next step reads them."""
+        if self.feedback:
+            self.feedback.scrub(*pipeline.residuals())
+
+    def end_step(self, voted=True):
+        """After every result of the step was read. voted: the step's "auto" vote was started
+        (plan.start_vote) and is applied now."""
+        if self.plan.evaluating and voted:
+            with record_function("horovod_gift.vote"):
+                self._change_transforms(self.plan.finish_vote)
+        self.step += 1
+        self.telemetry.end_step(self.step, lambda: self.plan.counts(self.bucket_of),
+                                self.comm.rank == 0)
+        self.plan.end_step()
+        self._collect_after_compiles()
+
+    def _collect_after_compiles(self):
+        """A step in which numba compiled a kernel (the first, a refresh step's first round
+        trips) leaves its frames in a reference cycle with every gradient they held (native.py's
+        CompileCount): without a collection here they lived on into later steps, up to 1x the
+        parameters' bytes, until Python's cycle collector happened to run."""
+        if CompileCount.count != self._compiles_seen:
+            self._compiles_seen = CompileCount.count
+            gc.collect()
+
+    # ---------------------------------------------------------------- residuals
+    def _change_transforms(self, change):
+        """Run change() (new whitening factors, or new transform choices), which returns the old
+        inverse map of each tensor it changed, and keep the residuals in step: stage 2 folded
+        into stage 1 before (it lives in the old coordinates of a whole bucket), each changed
+        tensor's stage 1 re-expressed in its new coordinates after."""
+        if self.feedback:
+            self.feedback.fold(functools.partial(self.topology.owned_pieces, codec=self.codec),
+                               self.comm.size if self.average else 1)
+        for name, old_inverse in change().items():
+            if self.feedback:
+                self.feedback.convert(name, old_inverse, functools.partial(self.plan.forward, name))

@@ -1,0 +1,150 @@
+"""torch.distributed as GIFT's engine: the Communicator (communicator.py) over a process group,
+and the topology of a job launched with torchrun. The DDP hook (ddp.py) and the FSDP2
+reduce-scatter (fsdp.py) are the frontends over it.
+
+torch.distributed matches collectives by the order in which ranks issue them on a group, not by
+name: the names of the Communicator interface are ignored here, and every frontend issues its
+collectives in an order that is the same on every rank.
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+from .communicator import Communicator, Handle
+from .telemetry import logger
+from .topology import Flat, TwoHop, plan_nodes
+
+TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class TorchHandle(Handle):
+    """A torch.distributed Work and the tensor it fills (moved back to `home` once waited for:
+    host metadata that travelled through a GPU-only backend)."""
+
+    def __init__(self, work, result, home=None):
+        self.work, self.result, self.home, self._done = work, result, home, False
+
+    def poll(self):
+        return self._done or self.work.is_completed()
+
+    def wait(self):
+        if not self._done:
+            self.work.wait()
+            self._done = True
+            if self.home is not None:
+                self.result = _to(self.result, self.home)
+        return self.result
+
+
+def _to(value, device):
+    if isinstance(value, tuple):
+        return tuple(v.to(device) for v in value)
+    return value.to(device)
+
+
+class TorchCommunicator(Communicator):
+    """The ranks of a torch.distributed process group (the default group with None). Host
+    tensors (GIFT's metadata) travel through the group's device when its backend has no CPU
+    support (NCCL)."""
+
+    def __init__(self, group=None):
+        self.group = group if group is not None else dist.group.WORLD
+        self.size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        backend = dist.get_backend(self.group)
+        self.host_device = (torch.device("cuda", torch.cuda.current_device())
+                            if backend == "nccl" else None)
+
+    def _placed(self, tensor):
+        """(tensor where the backend takes it, the device to return the result to or None)."""
+        if self.host_device is not None and tensor.device.type == "cpu":
+            return tensor.to(self.host_device), tensor.device
+        return tensor, None
+
+    def alltoall_async(self, tensor, splits, name):
+        """splits must be the same on every rank (every caller's are): each rank receives
+        splits[rank] elements from every rank, with no exchange of sizes first."""
+        tensor, home = self._placed(tensor)
+        sizes = splits.tolist()
+        mine = sizes[self.rank]
+        received = torch.empty(mine * self.size, dtype=tensor.dtype, device=tensor.device)
+        work = dist.all_to_all_single(received, tensor, [mine] * self.size, sizes,
+                                      group=self.group, async_op=True)
+        counts = torch.full((self.size,), mine, dtype=torch.int32, device="cpu")
+        return _AlltoallHandle(work, received, counts, home)
+
+    def allgather_async(self, tensor, name):
+        tensor, home = self._placed(tensor)
+        out = torch.empty((self.size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype,
+                          device=tensor.device)
+        work = dist.all_gather_into_tensor(out, tensor.contiguous(), group=self.group,
+                                           async_op=True)
+        return TorchHandle(work, out, home)
+
+    def allreduce_async(self, tensor, op, name):
+        out, home = self._placed(tensor.clone())
+        work = dist.all_reduce(out, op=TORCH_OPS[op], group=self.group, async_op=True)
+        return TorchHandle(work, out, home)
+
+    def broadcast_async_(self, tensor, root, name):
+        placed, home = self._placed(tensor)
+        work = dist.broadcast(placed, src=dist.get_global_rank(self.group, root),
+                              group=self.group, async_op=True)
+        return _BroadcastHandle(work, placed, tensor) if home is not None else TorchHandle(
+            work, tensor)
+
+
+class _AlltoallHandle(TorchHandle):
+    def __init__(self, work, received, counts, home):
+        super().__init__(work, received, home)
+        self.counts = counts
+
+    def wait(self):
+        return super().wait(), self.counts
+
+
+class _BroadcastHandle(TorchHandle):
+    """A broadcast into a host tensor through the backend's device: copied back into it."""
+
+    def __init__(self, work, placed, tensor):
+        super().__init__(work, placed)
+        self.tensor = tensor
+
+    def wait(self):
+        if not self._done:
+            self.tensor.copy_(super().wait())
+        return self.tensor
+
+
+def torch_topology(kind, node_size, group=None):
+    """The Topology (topology.py) of a GIFT over a torch.distributed group: Flat, or TwoHop over
+    a group for each node and one for each local rank across nodes. Collective over the group
+    for "auto" and "two-hop" (every rank decides the same, and raises the same error); node
+    groups are made for the default group only. The launcher's local size is torchrun's
+    LOCAL_WORLD_SIZE (1 where it is not set)."""
+    comm = TorchCommunicator(group)
+    if kind == "flat":
+        return Flat(comm)
+    if group is not None and group is not dist.group.WORLD:
+        if kind == "two-hop":
+            raise ValueError("GIFT: topology='two-hop' reduces over every rank (the default "
+                             "process group); use topology='flat' for a subgroup")
+        return Flat(comm)
+    view = torch.tensor([node_size or 0, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                         int(os.environ.get("LOCAL_RANK", 0)), comm.rank], dtype=torch.int64)
+    views = comm.allgather_async(view, "gift.topology").wait().view(comm.size, -1).tolist()
+    per_node, why = plan_nodes(views, comm.size)
+    if per_node is None:
+        if kind == "two-hop":
+            raise ValueError(f"GIFT: topology='two-hop' needs several nodes of several ranks: "
+                             f"{why}")
+        return Flat(comm)
+    ranks = comm.size
+    # every rank makes every group, in the same order (torch.distributed's rule)
+    node, _ = dist.new_subgroups_by_enumeration(
+        [list(range(k, k + per_node)) for k in range(0, ranks, per_node)])
+    cross, _ = dist.new_subgroups_by_enumeration(
+        [list(range(local, ranks, per_node)) for local in range(per_node)])
+    if comm.rank == 0:
+        logger.info("GIFT: two hops over %d nodes of %d ranks", ranks // per_node, per_node)
+    return TwoHop(comm, TorchCommunicator(node), TorchCommunicator(cross))
