@@ -16,6 +16,8 @@ from .telemetry import logger
 from .topology import Flat, TwoHop, plan_nodes
 
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# torch 2.13 names all_gather_into_tensor all_gather_single (and warns on the old name)
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class TorchHandle(Handle):
@@ -77,8 +79,7 @@ class TorchCommunicator(Communicator):
         tensor, home = self._placed(tensor)
         out = torch.empty((self.size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype,
                           device=tensor.device)
-        work = dist.all_gather_into_tensor(out, tensor.contiguous(), group=self.group,
-                                           async_op=True)
+        work = ALL_GATHER(out, tensor.contiguous(), group=self.group, async_op=True)
         return TorchHandle(work, out, home)
 
     def allreduce_async(self, tensor, op, name):

@@ -1,0 +1,236 @@
+"""GIFT as a PyTorch DDP communication hook.
+
+    from horovod_gift.ddp import GiftState, gift_hook
+    model = DistributedDataParallel(model)
+    model.register_comm_hook(GiftState(model, format="nvfp4"), gift_hook)
+
+DDP calls gift_hook(state, bucket) for each of its gradient buckets as backward fills them, in
+the same order on every rank, and waits for the returned futures at the end of backward. GIFT
+keeps buckets of its own (core.GiftCore: the same on every rank, whatever DDP's buckets are and
+however DDP rebuilds them after the first step): a GIFT bucket's reduction starts once DDP has
+handed over all its members. torch.distributed matches collectives by call order, so the
+reductions advance by a fixed rule rather than by what has arrived: at each hook, every
+reduction started at an earlier hook moves one stage on (its stage-2 allgather is issued a hook
+after its alltoall, decoded a hook after that), and the last bucket's hook finishes the rest.
+A DDP bucket's future is set once every GIFT bucket holding its parameters is decoded; the
+results are written over the bucket's buffer. Parameters under `min_elements` are averaged in
+fp32 by one allreduce per DDP bucket in the same hook.
+
+Under DDP's join() a rank that ran out of data replays the hook on zero buckets: it runs the
+same collectives, contributing zeros (and what its residuals still owe); the average stays over
+every rank, as DDP's own with divide_by_initial_world_size=True. no_sync() accumulates
+gradients locally: the hook runs on the synchronized backward only.
+"""
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import record_function
+
+from .core import GiftCore
+from .torch_frontend import TorchCommunicator, torch_topology
+
+
+@dataclass
+class _Bucket:
+    """A DDP bucket handed to the hook this step, until its future is set."""
+    future: torch.futures.Future
+    buffer: torch.Tensor
+    compressed: list              # (name, the gradient's view in the buffer)
+    small: list                   # (name, view) averaged in fp32
+    small_flat: torch.Tensor = None
+    small_work: object = None
+
+
+@dataclass
+class _Step:
+    in_step: bool = False
+    compressing: bool = False
+    pipeline: object = None
+    u: dict = field(default_factory=dict)          # name -> transformed flat gradient
+    maxima: dict = field(default_factory=dict)
+    started_at: dict = field(default_factory=dict)  # GIFT bucket -> hook count when started
+    hooks: int = 0
+    waiting: list = field(default_factory=list)    # _Buckets whose future is not set yet
+    nonfinite: list = field(default_factory=list)  # names whose average is not finite
+
+
+class GiftState(GiftCore):
+    """The state of gift_hook for one DDP model: GIFT's core (core.GiftCore documents every
+    option: format, transform, error_feedback, residual_dtype, min_elements, start_step, ...).
+
+    model: the DistributedDataParallel module (or the module it wraps); parameter names and
+    checkpoints are those of the wrapped module, so a GIFT state_dict() moves between Horovod
+    and DDP jobs of the same model. process_group: the DDP model's by default. Warm-up steps
+    (start_step) run DDP's own allreduce on the bucket, bit for bit as without a hook.
+    nonfinite="raise": a non-finite average raises FloatingPointError from backward on every
+    rank once the step's collectives are done (the next step is unaffected).
+    Made on every rank of the group, in the same order as the group's other collectives (with
+    topology "auto" or "two-hop" it gathers the ranks' placement and may make node groups).
+    """
+
+    def __init__(self, model, process_group=None, **options):
+        if not dist.is_initialized():
+            raise RuntimeError("GiftState: call torch.distributed.init_process_group() before "
+                               "creating GiftState(model, ...)")
+        module = model.module if isinstance(model, DistributedDataParallel) else model
+        if process_group is None and isinstance(model, DistributedDataParallel):
+            process_group = model.process_group
+        self.process_group = process_group
+        super().__init__(module, TorchCommunicator(process_group), **options)
+        self.topology = torch_topology(self.topology_request, self.node_size, process_group)
+        self.name_of = {id(p): n for n, p in self.params.items()}
+        self._optimizer = None      # what Checkpointing.reset_rank_state clears (Horovod's)
+        self._reset_step()
+        weakref.finalize(self, self.statistics.remove_hooks)
+
+    # ---------------------------------------------------------------- the hook
+    def hook(self, bucket):
+        t0 = time.perf_counter()
+        try:
+            with record_function("horovod_gift.ddp_hook"):
+                return self._hook(bucket)
+        finally:
+            self.telemetry.add(seconds_in_gift=time.perf_counter() - t0)
+
+    def _hook(self, bucket):
+        step = self.current
+        if not step.in_step:
+            step.in_step = True
+            step.compressing = self.begin_step()
+            step.pipeline = self.new_pipeline()
+        step.hooks += 1
+        buffer = bucket.buffer()
+        self.telemetry.add(elements=buffer.numel())
+        if not step.compressing:    # warm-up: DDP's own allreduce of the bucket
+            self.telemetry.add(uncompressed_elements=buffer.numel(),
+                               payload_bytes=buffer.element_size() * buffer.numel())
+            buffer.div_(self.comm.size)
+            future = dist.all_reduce(buffer, group=self.process_group,
+                                     async_op=True).get_future().then(lambda f: f.value()[0])
+            if bucket.is_last():
+                self._end_step()
+            return future
+        entry = self._take(bucket)
+        self._advance_earlier()
+        for gift_bucket in sorted({self.bucket_of[n] for n, _ in entry.compressed}):
+            names = self.buckets[gift_bucket]
+            if all(n in step.u for n in names):
+                self._start(gift_bucket)
+        step.waiting.append(entry)
+        self._resolve()
+        if bucket.is_last():
+            error = self._finish_step()
+            if error is not None:   # DDP raises it from backward, where it waits for the futures
+                failed = torch.futures.Future()
+                failed.set_exception(error)
+                return failed
+        return entry.future
+
+    def _take(self, bucket):
+        """Transform this DDP bucket's compressed gradients (over the buffer) and start the fp32
+        allreduce of its small ones."""
+        buffer, step = bucket.buffer(), self.current
+        entry = _Bucket(torch.futures.Future(), buffer, [], [])
+        for p, grad in zip(bucket.parameters(), bucket.gradients()):
+            name = self.name_of.get(id(p))
+            if name is None:
+                raise ValueError("gift_hook: DDP reduces a parameter the model given to "
+                                 "GiftState(model) does not have; pass the DDP model itself")
+            (entry.compressed if name in self.bucket_of else entry.small).append((name, grad))
+        if entry.small:
+            entry.small_flat = torch.cat([g.reshape(-1).to(torch.float32)
+                                          for _, g in entry.small]).div_(self.comm.size)
+            entry.small_work = dist.all_reduce(entry.small_flat, group=self.process_group,
+                                               async_op=True)
+            small = entry.small_flat.numel()
+            self.telemetry.add(uncompressed_elements=small, payload_bytes=4 * small)
+        for name, grad in entry.compressed:
+            step.u[name], maxima = self.transformed(name, grad)
+            if maxima is not None:
+                step.maxima[name] = maxima
+        return entry
+
+    def _start(self, bucket):
+        step = self.current
+        names = self.buckets[bucket]
+        flats = [step.u[n] if n in step.u else self.zeros(n) for n in names]
+        step.pipeline.start(bucket, self.reduction(bucket, flats,
+                                                   [step.maxima.get(n) for n in names]))
+        step.started_at[bucket] = step.hooks
+
+    def _advance_earlier(self):
+        """Every reduction started at an earlier hook and not finished moves one stage on, in
+        bucket order: the same collectives in the same order on every rank."""
+        step = self.current
+        for bucket in sorted(step.pipeline.in_flight):
+            if step.started_at[bucket] < step.hooks:
+                step.pipeline.advance(bucket)
+
+    def _resolve(self, everything=False):
+        """Set the future of every waiting DDP bucket whose GIFT buckets are decoded (all of
+        them with everything=True: the step's last hook)."""
+        step = self.current
+        for entry in list(step.waiting):
+            buckets = {self.bucket_of[n] for n, _ in entry.compressed}
+            if not everything and any(b not in step.pipeline.results for b in buckets):
+                continue
+            for name, grad in entry.compressed:
+                u = step.pipeline.finish(self.bucket_of[name]).pop(name)
+                result = self.result(name, u, grad.shape, grad.dtype)
+                grad.copy_(result)
+                self._note_finite(name, result)
+            if entry.small:
+                entry.small_work.wait()
+                offset = 0
+                for name, grad in entry.small:
+                    part = entry.small_flat[offset:offset + grad.numel()]
+                    grad.copy_(part.view(grad.shape))
+                    self._note_finite(name, part)
+                    offset += grad.numel()
+            step.waiting.remove(entry)
+            entry.future.set_result(entry.buffer)
+
+    def _note_finite(self, name, result):
+        if self.nonfinite == "raise" and not torch.isfinite(result).all():
+            self.current.nonfinite.append(name)
+
+    def _finish_step(self):
+        """The last bucket's hook: start what never started (members DDP did not hand over take
+        zeros), move every reduction to its end in bucket order, set every future. Returns the
+        FloatingPointError of a non-finite average under nonfinite="raise", else None."""
+        step = self.current
+        for bucket, names in enumerate(self.buckets):
+            if bucket not in step.pipeline.reductions and any(n in step.u for n in names):
+                self._start(bucket)
+        for bucket in sorted(step.pipeline.in_flight):
+            while bucket in step.pipeline.in_flight:
+                step.pipeline.advance(bucket)
+        self.plan.start_vote()
+        self._resolve(everything=True)
+        self.scrub(step.pipeline)
+        nonfinite = step.nonfinite
+        self._end_step()
+        if nonfinite:
+            return FloatingPointError(f"GIFT: the averaged gradient of {nonfinite[0]} is not "
+                                      "finite (a rank's gradient held NaN or Inf)")
+        return None
+
+    def _end_step(self):
+        self.end_step()
+        self._reset_step()
+
+    def _reset_step(self):
+        self.current = _Step()
+
+
+def gift_hook(state, bucket):
+    """DDP's communication hook: register it with model.register_comm_hook(GiftState(model),
+    gift_hook). Returns the future of the bucket's averaged gradients."""
+    if not isinstance(state, GiftState):
+        raise TypeError("gift_hook: register it with the state made for the model: "
+                        "model.register_comm_hook(GiftState(model, ...), gift_hook)")
+    return state.hook(bucket)
