@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 NP ?= 2
 
-.PHONY: setup test test-unit test-mpi test-robustness demo clean
+.PHONY: setup test test-unit test-mpi test-torch test-robustness demo clean
 
 setup:
 	@bash scripts/setup.sh
@@ -15,6 +15,9 @@ test-unit: setup
 
 test-mpi: setup
 	@bash scripts/run_tests.sh mpi
+
+test-torch: setup
+	@bash scripts/run_tests.sh torch
 
 test-robustness: setup
 	@bash scripts/run_tests.sh robustness

@@ -265,3 +265,38 @@ class BucketReduction:
         for i, pieces in enumerate(self.layout.gathered):
             self.codec.decode_pieces(gathered, pieces, out[i])
         return out
+
+
+class Fp32Reduction:
+    """The fp32 average (divisor: the ranks) or sum (1) of a flat fp32 tensor over comm, summed
+    on each chunk's owner and allgathered: every element's sum is the same whatever tensors it
+    is reduced with (a ring allreduce's order depends on where an element lies in its buffer, so
+    a frontend whose buffers change, as DDP's do after the first step, would not resume bit for
+    bit). start() -> exchange() -> finish(); the bytes are a ring allreduce's."""
+
+    def __init__(self, name, flat, comm, divisor):
+        self.name, self.flat, self.comm, self.divisor = name, flat, comm, divisor
+        self.chunk = -(-flat.numel() // comm.size)
+        self.stage = 0          # 1: the alltoall is in flight; 2: the allgather
+
+    def start(self):
+        n, chunk = self.comm.size, self.chunk
+        padded = torch.zeros(n * chunk, dtype=torch.float32, device=self.flat.device)
+        padded[: self.flat.numel()] = self.flat
+        splits = torch.full((n,), chunk, dtype=torch.int32, device="cpu")
+        self._handle = self.comm.alltoall_async(padded, splits, f"{self.name}.reduce_scatter")
+        self.stage = 1
+        return self
+
+    def exchange(self):
+        received, _ = self._handle.wait()
+        owned = received.view(self.comm.size, self.chunk).sum(0).div_(self.divisor)
+        self._handle = self.comm.allgather_async(owned, f"{self.name}.allgather")
+        self.stage = 2
+        return self
+
+    def finish(self):
+        """The reduced flat tensor, the same bytes on every rank."""
+        if self.stage == 1:
+            self.exchange()
+        return self._handle.wait()[: self.flat.numel()]

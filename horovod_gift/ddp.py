@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
+from .collective import Fp32Reduction
 from .core import GiftCore
 from .torch_frontend import TorchCommunicator, torch_topology
 
@@ -41,8 +42,7 @@ class _Bucket:
     buffer: torch.Tensor
     compressed: list              # (name, the gradient's view in the buffer)
     small: list                   # (name, view) averaged in fp32
-    small_flat: torch.Tensor = None
-    small_work: object = None
+    small_reduction: object = None      # an Fp32Reduction of the small ones
 
 
 @dataclass
@@ -142,12 +142,10 @@ class GiftState(GiftCore):
                                  "GiftState(model) does not have; pass the DDP model itself")
             (entry.compressed if name in self.bucket_of else entry.small).append((name, grad))
         if entry.small:
-            entry.small_flat = torch.cat([g.reshape(-1).to(torch.float32)
-                                          for _, g in entry.small]).div_(self.comm.size)
-            entry.small_work = dist.all_reduce(entry.small_flat, group=self.process_group,
-                                               async_op=True)
-            small = entry.small_flat.numel()
-            self.telemetry.add(uncompressed_elements=small, payload_bytes=4 * small)
+            flat = torch.cat([g.reshape(-1).to(torch.float32) for _, g in entry.small])
+            entry.small_reduction = Fp32Reduction("gift.small", flat, self.comm,
+                                                  self.comm.size).start()
+            self.telemetry.add(uncompressed_elements=flat.numel(), payload_bytes=4 * flat.numel())
         for name, grad in entry.compressed:
             step.u[name], maxima = self.transformed(name, grad)
             if maxima is not None:
@@ -164,11 +162,15 @@ class GiftState(GiftCore):
 
     def _advance_earlier(self):
         """Every reduction started at an earlier hook and not finished moves one stage on, in
-        bucket order: the same collectives in the same order on every rank."""
+        bucket order, then the fp32 ones of earlier DDP buckets: the same collectives in the
+        same order on every rank."""
         step = self.current
         for bucket in sorted(step.pipeline.in_flight):
             if step.started_at[bucket] < step.hooks:
                 step.pipeline.advance(bucket)
+        for entry in step.waiting:      # DDP buckets of earlier hooks
+            if entry.small_reduction is not None and entry.small_reduction.stage == 1:
+                entry.small_reduction.exchange()
 
     def _resolve(self, everything=False):
         """Set the future of every waiting DDP bucket whose GIFT buckets are decoded (all of
@@ -176,7 +178,9 @@ class GiftState(GiftCore):
         step = self.current
         for entry in list(step.waiting):
             buckets = {self.bucket_of[n] for n, _ in entry.compressed}
-            if not everything and any(b not in step.pipeline.results for b in buckets):
+            small_sent = entry.small_reduction is None or entry.small_reduction.stage == 2
+            if not everything and (not small_sent
+                                   or any(b not in step.pipeline.results for b in buckets)):
                 continue
             for name, grad in entry.compressed:
                 u = step.pipeline.finish(self.bucket_of[name]).pop(name)
@@ -184,10 +188,10 @@ class GiftState(GiftCore):
                 grad.copy_(result)
                 self._note_finite(name, result)
             if entry.small:
-                entry.small_work.wait()
+                reduced = entry.small_reduction.finish()
                 offset = 0
                 for name, grad in entry.small:
-                    part = entry.small_flat[offset:offset + grad.numel()]
+                    part = reduced[offset:offset + grad.numel()]
                     grad.copy_(part.view(grad.shape))
                     self._note_finite(name, part)
                     offset += grad.numel()

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs tests/ in one process, then mpi_tests/ under mpirun -np 2 and -np 4 (every rank runs every
-# test) and the collective's suites under -np 8, then the robustness campaign. Fails if any suite
-# or any rank fails; every test runs under a timeout, and a suite that hangs anyway is killed and
-# named.
+# test) and the collective's suites under -np 8, torchrun_tests/ (DDP, FSDP2) under torchrun on 2
+# and 4 ranks, then the robustness campaign. Fails if any suite or any rank fails; every test
+# runs under a timeout, and a suite that hangs anyway is killed and named.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -57,6 +57,33 @@ if [ "$which" = all ] || [ "$which" = mpi ]; then
     mpi_tests/test_gift.py::test_training_matches_fp32_and_parameters_stay_identical \
     mpi_tests/test_gift.py::test_horovod_options_keep_ranks_identical \
     mpi_tests/test_gift.py::test_checkpoint_resume_is_bit_identical
+fi
+
+# run_torchrun NP: torchrun_tests/ on NP ranks (gloo on the CPU, no Horovod); a suite that hangs is
+# killed and its ranks' logs shown.
+run_torchrun() {
+  local np=$1
+  rm -f .build/torchrun_tests-np$np-rank*.log
+  (cd torchrun_tests && timeout --kill-after=30 "$MPI_SUITE_TIMEOUT" \
+    ../.venv/bin/torchrun --standalone --nproc-per-node "$np" --no-python \
+    bash ../scripts/torch_rank.sh "../.build/torchrun_tests-np$np" \
+    ../"$PY" -m pytest . -q --timeout "$MPI_TEST_TIMEOUT" 2>&1 \
+    | { grep -v '^W[0-9]\{4\} \|^\*\*\*\*' || true; })   # torchrun's own banner
+  local rc=$?     # pipefail: torchrun's (or timeout's) status
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    echo "HUNG: torchrun_tests/ on $np ranks did not finish within ${MPI_SUITE_TIMEOUT}s."
+    for f in .build/torchrun_tests-np$np-rank*.log; do echo "--- last lines of $f"; tail -n 5 "$f"; done
+    failed+=("torchrun_tests np=$np (hung)")
+  elif [ $rc -ne 0 ]; then
+    failed+=("torchrun_tests np=$np (exit $rc)")
+  fi
+}
+
+if [ "$which" = all ] || [ "$which" = torch ]; then
+  for np in 2 4; do
+    echo "=== torchrun_tests/ under torchrun --nproc-per-node $np (DDP and FSDP2 on gloo) ==="
+    run_torchrun "$np"
+  done
 fi
 
 if [ "$which" = all ] || [ "$which" = robustness ]; then

@@ -179,14 +179,18 @@ def test_small_tensors_share_a_bucket_across_a_large_one():
     assert sorted(map(sorted, buckets)) == [["big"], ["big2"], ["norm1", "norm2", "norm3"]]
 
 
-def test_codec_modules_import_without_horovod():
-    """The engine-neutral core imports no engine; GIFT says clearly that Horovod is missing."""
+def test_codec_modules_and_torch_frontends_import_without_horovod():
+    """The engine-neutral core and the DDP and FSDP frontends import no Horovod (a torch-only
+    install); GIFT says clearly that Horovod is missing."""
     code = (
         "import sys\n"
         "sys.modules['horovod'] = None\n"
         "sys.modules['horovod.torch'] = None\n"
         "import horovod_gift.collective, horovod_gift.feedback, horovod_gift.transforms\n"
         "import horovod_gift.statistics, horovod_gift.checkpoint, horovod_gift.communicator\n"
+        "import horovod_gift.core, horovod_gift.ddp, horovod_gift.fsdp\n"
+        "from horovod_gift.ddp import GiftState, gift_hook\n"
+        "from horovod_gift.fsdp import GiftReduceScatter, attach\n"
         "import horovod_gift as gift\n"
         "try:\n"
         "    gift.GIFT\n"

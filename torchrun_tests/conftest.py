@@ -3,8 +3,12 @@
 Every rank runs every test. After each test the ranks exchange their outcomes over a gloo group
 of their own (not the default group the code under test uses), so a test that fails on any rank
 fails on all of them with that rank's message, and no rank runs ahead into the next test's
-collectives."""
+collectives. Horovod is made unimportable: the DDP and FSDP frontends must work on a torch-only
+install."""
 import datetime
+import sys
+
+sys.modules["horovod"] = sys.modules["horovod.torch"] = None   # before horovod_gift is imported
 
 import pytest
 import torch.distributed as dist

@@ -1,0 +1,83 @@
+"""GIFT as FSDP2's reduce-scatter: gradients leave each rank as FP8 or NVFP4, are summed in fp32 on
+the shard's owner, and only the owner keeps the result.
+
+    from horovod_gift.fsdp import attach
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    state = attach(model, format="nvfp4")   # module.set_custom_reduce_scatter(GiftReduceScatter)
+
+FSDP2 lays a parameter group's gradients out as one buffer of `ranks` rows, row k holding every
+parameter's k-th dim-0 shard (padded), and reduce-scatters it. GiftReduceScatter does that in one
+alltoall of bytes: every rank encodes each piece (a parameter's part of a row) with its own
+scales, sends row k to rank k, and rank k decodes the `ranks` payloads of its row and sums them
+in fp32: GIFT's stage 1 (collective.py) with no stage 2, since nobody else needs the sum.
+Parameters under `min_elements` travel as fp32 bytes in the same alltoall.
+
+Geometry: the input-side whitening of a linear weight stored (out, in), u = G S^{-T}, maps each
+row of G on its own, so it commutes with dim-0 sharding: every rank whitens all rows before
+encoding, the owner un-whitens its shard after the sum. Weights stored (in, out) (transformers'
+Conv1D) and every other tensor go as they are; the Hadamard rotations and "auto" are refused.
+
+Error feedback keeps, per rank, the quantization error of every piece it encoded: a residual the
+size of the whole (unsharded) parameter group, 4 bytes per parameter in fp32, 2 in bf16, where
+FSDP itself keeps 4 / ranks of gradient and 8 / ranks of Adam state. Whether it pays is measured
+in benchmarks/results/fsdp_feedback.md; the default follows it (see attach).
+
+torch.distributed matches collectives by call order: FSDP calls the reduce-scatters of its groups
+in backward order, the same on every rank, and GIFT adds collectives only at a step's first
+reduce-scatter (the configuration check at the first step, the statistics' refresh).
+"""
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from .fsdp_layout import GroupLayout, FsdpGiftState
+
+__all__ = ["attach", "GiftReduceScatter", "FsdpGiftState", "GroupLayout"]
+
+
+class GiftReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter of one fully_shard module's gradients through GIFT (the module
+    docstring); state: the FsdpGiftState of the whole model."""
+
+    def __init__(self, state, module):
+        if not isinstance(module, FSDPModule):
+            raise TypeError(f"GiftReduceScatter: {type(module).__name__} is not a fully_shard "
+                            "module; call fully_shard(module) first")
+        self.state, self.module = state, module
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        layout = self.state.layout(self.module, input_tensor.numel(), group)
+        if layout is None:      # not every parameter of the group has a gradient this step
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+                                              async_op=async_op)
+        divisor = _divisor(op, dist.get_world_size(group))
+        self.state.reduce_scatter(layout, output_tensor, input_tensor, group, divisor)
+        return None
+
+
+def _divisor(op, ranks):
+    if op == dist.ReduceOp.AVG:
+        return ranks
+    if op == dist.ReduceOp.SUM:
+        return 1
+    raise ValueError(f"GiftReduceScatter: FSDP asked for the reduce op {op}; GIFT averages or "
+                     "sums (leave set_gradient_divide_factor unset)")
+
+
+def attach(model, **options):
+    """Make an FsdpGiftState for model (options: its arguments) and set a GiftReduceScatter on
+    every fully_shard module in it; returns the state (for state_dict() and stats())."""
+    state = FsdpGiftState(model, **options)
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise ValueError("attach: the model has no fully_shard module; call fully_shard on its "
+                         "layers and on the model first")
+    for module in modules:
+        module.set_custom_reduce_scatter(GiftReduceScatter(state, module))
+    return state

@@ -1,0 +1,264 @@
+"""The state and the reduce-scatter of GIFT under FSDP2 (fsdp.py is the frontend and says how it
+works): where each parameter lies in a group's buffers (GroupLayout), and FsdpGiftState, which
+holds the codec, the whitening statistics, the residuals and the step count of one model."""
+import hashlib
+
+import numpy as np
+import torch
+
+from .codec import Codec, TensorPieces
+from .collective import mix_seed, name_key
+from .config import RESIDUAL_DTYPES, check_codec
+from .feedback import FINITE_AMAX
+from .linear_layers import linear_readers
+from .statistics import WhiteningStatistics
+from .telemetry import Telemetry, logger
+from .torch_frontend import TorchCommunicator
+
+FSDP_TRANSFORMS = ("whiten", "none")
+
+
+class GroupLayout:
+    """An FSDP group's reduce-scatter buffer: `ranks` rows of `shard` elements, row k holding
+    every parameter's k-th shard (shards[i] elements at offsets[i]); the bytes GIFT sends for
+    it: rows of row_bytes, parameter i's piece at byte_offsets[i] (codec payloads, or fp32 for
+    the small ones, each rounded up to 4 bytes). pieces: the codec pieces of every row, for
+    Codec.encode_pieces over the buffer and decode_pieces of the received rows (the same
+    positions: row k of both comes from, or goes to, rank k)."""
+
+    def __init__(self, names, shards, small, ranks, codec):
+        self.names, self.shards, self.small, self.ranks = names, shards, small, ranks
+        self.offsets = np.cumsum([0] + shards[:-1]).tolist()
+        self.shard = sum(shards)
+        sizes = [4 * m if tiny else -(-codec.payload_bytes(m) // 4) * 4
+                 for m, tiny in zip(shards, small)]
+        self.byte_offsets = np.cumsum([0] + sizes[:-1]).tolist()
+        self.row_bytes = sum(sizes)
+        coded = [i for i, tiny in enumerate(small) if not tiny and shards[i]]
+        rows = np.arange(ranks, dtype=np.int64)[:, None]
+        starts = rows * self.shard + np.array([self.offsets[i] for i in coded], np.int64)
+        ends = starts + np.array([shards[i] for i in coded], np.int64)
+        offsets = rows * self.row_bytes + np.array([self.byte_offsets[i] for i in coded],
+                                                   np.int64)
+        chunks = rows * len(names) + np.array(coded, np.int64)
+        self.pieces = TensorPieces(starts.reshape(-1), ends.reshape(-1), offsets.reshape(-1),
+                                   chunks.reshape(-1))
+        self.key = name_key(",".join(names))
+
+    def columns(self, rows, i, width=None):
+        """Parameter i's part of every row of rows ((ranks, shard) elements, or (ranks,
+        row_bytes) bytes with width=its byte size)."""
+        start = self.byte_offsets[i] if width is not None else self.offsets[i]
+        return rows[:, start:start + (width or self.shards[i])]
+
+
+class FsdpGiftState:
+    """GIFT's state for one model under FSDP2; every option is core.GiftCore's (its docstring
+    has the advice), less the ones FSDP has no use for (buckets, topology, stage 2).
+
+    transform: "whiten" (default) or "none". error_feedback: see fsdp.py and
+    benchmarks/results/fsdp_feedback.md. nonfinite: "nan" only (a shard's sum is seen by its
+    owner alone, so no rank could raise for all of them).
+    """
+
+    def __init__(self, model, format="nvfp4", transform="whiten", error_feedback=True,
+                 residual_dtype=torch.bfloat16, block_size=None, rounding="nearest", seed=0,
+                 min_elements=1024, whitening_rank=32, damping=1.0, refresh_every=4,
+                 stat_window=5, log_every=0, verbose=True):
+        check_codec(format, block_size, rounding, where="GIFT (FSDP)")
+        if transform not in FSDP_TRANSFORMS:
+            raise ValueError(f"GIFT (FSDP): transform must be one of {FSDP_TRANSFORMS}, got "
+                             f"{transform!r}: the Hadamard rotations mix rows FSDP shards apart")
+        if residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(f"GIFT (FSDP): residual_dtype must be one of {RESIDUAL_DTYPES}, "
+                             f"got {residual_dtype!r}")
+        for what, value in dict(min_elements=min_elements, whitening_rank=whitening_rank,
+                                refresh_every=refresh_every, stat_window=stat_window).items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GIFT (FSDP): {what} must be a positive int, got {value!r}")
+        self.codec = Codec(format, block_size, rounding, seed)
+        self.transform, self.error_feedback = transform, error_feedback
+        self.residual_dtype, self.min_elements, self.verbose = residual_dtype, min_elements, verbose
+        self.params = dict(model.named_parameters())
+        self.name_of = {id(p): n for n, p in self.params.items()}
+        # whitened: trained weights of linear modules stored (out, in), whose rows FSDP shards
+        readers = linear_readers(model, self.params) if transform == "whiten" else {}
+        whitenable = {n: self.params[n] for n, modules in readers.items()
+                      if self.params[n].requires_grad and self.params[n].numel() >= min_elements
+                      and all(layout.layout == "out_in" for _, _, layout in modules)}
+        self.statistics = WhiteningStatistics(model, whitenable, whitening_rank, damping,
+                                              refresh_every, stat_window, comm=None)
+        self.layouts, self.residuals = {}, {}   # module id -> GroupLayout; layout key -> r1
+        self.comm, self.step, self._task, self._verify = None, 0, None, True
+        self._pending_rank_state = None
+        self.telemetry = Telemetry(log_every)
+
+    # ---------------------------------------------------------------- layout and step
+    def layout(self, module, numel, group):
+        """The GroupLayout of module's parameter group, or None when this buffer (numel) is not
+        all of it (parameters without a gradient this step: FSDP leaves them out)."""
+        if id(module) not in self.layouts:
+            (param_group,) = module._get_fsdp_state()._fsdp_param_groups
+            fsdp_params = param_group.fsdp_params
+            names = [self.name_of[id(fp.sharded_param)] for fp in fsdp_params]
+            for fp, name in zip(fsdp_params, names):
+                if fp.fsdp_placement.dim != 0:  # its rows are not sharded whole: not whitened
+                    self.statistics.whitening.pop(name, None)
+            shards = [fp.padded_sharded_param_size.numel() for fp in fsdp_params]
+            small = [self.params[n].numel() < self.min_elements for n in names]
+            self.layouts[id(module)] = GroupLayout(names, shards, small, group.size(), self.codec)
+        layout = self.layouts[id(module)]
+        return layout if layout.ranks * layout.shard == numel else None
+
+    def _begin_step(self, group):
+        """At a backward's first reduce-scatter: the rank check (first step), the statistics'
+        refresh (due steps), and the step's end queued after backward."""
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task == self._task:
+            return
+        self._task = task
+        if self.comm is None:
+            self.comm = self.statistics.comm = TorchCommunicator(group)
+        if self._pending_rank_state is not None:
+            self._load_rank_state(self._pending_rank_state)
+        if self._verify:
+            self._check_ranks_agree()
+            self._verify = False
+        if self.statistics.due(self.step):
+            for name, old in self.statistics.refresh().items():
+                self._convert_residuals(name, old)
+        self.statistics.advance()
+        if self.step == 0 and self.verbose and self.comm.rank == 0:
+            logger.info("GIFT (FSDP) %s, transform=%s: %d weights whitened", self.codec.format,
+                        self.transform, len(self.statistics.whitening))
+        if task != -1:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_step)
+        else:
+            self._end_step()
+
+    def _end_step(self):
+        self.step += 1
+        self._task = None
+        self.telemetry.end_step(self.step, lambda: {}, self.comm.rank == 0)
+
+    def _whitened(self, layout):
+        return [(i, self.statistics.whitening[n]) for i, n in enumerate(layout.names)
+                if n in self.statistics.whitening]
+
+    # ---------------------------------------------------------------- the reduce-scatter
+    def reduce_scatter(self, layout, output, buffer, group, divisor):
+        """output <- this rank's row of the sum (divided by divisor) of every rank's buffer."""
+        self._begin_step(group)
+        n, device = layout.ranks, buffer.device
+        work = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
+        rows = work.view(n, layout.shard)
+        for i, whitening in self._whitened(layout):     # every row, whole rows of the weight
+            part = layout.columns(rows, i)
+            x = part.reshape(-1, whitening.in_features)
+            part.copy_(whitening.forward(x, out=x).view(part.shape))
+        send = torch.empty(n * layout.row_bytes, dtype=torch.uint8, device=device)
+        send_rows = send.view(n, layout.row_bytes)
+        residual = self._residual(layout, device)
+        seed = mix_seed(self.codec.seed, self.step, self.comm.rank, layout.key)
+        bounds = (self.codec.encode_pieces(work, residual, layout.pieces, send, seed)
+                  if len(layout.pieces.starts) else [])
+        for i in np.flatnonzero(layout.small).tolist():
+            layout.columns(send_rows, i, 4 * layout.shards[i]).view(torch.float32).copy_(
+                layout.columns(rows, i))
+        splits = torch.full((n,), layout.row_bytes, dtype=torch.int32, device="cpu")
+        received, _ = self.comm.alltoall_async(send, splits, "gift.fsdp").wait()
+        sources = torch.empty(n * layout.shard, dtype=torch.float32, device=device)
+        if len(layout.pieces.starts):
+            self.codec.decode_pieces(received, layout.pieces, sources)
+        source_rows, received_rows = sources.view(n, layout.shard), received.view(n, -1)
+        for i in np.flatnonzero(layout.small).tolist():
+            layout.columns(source_rows, i).copy_(
+                layout.columns(received_rows, i, 4 * layout.shards[i]).view(torch.float32))
+        mine = source_rows.sum(0).div_(divisor)
+        for i, whitening in self._whitened(layout):
+            part = mine[layout.offsets[i]:layout.offsets[i] + layout.shards[i]]
+            x = part.view(-1, whitening.in_features)
+            whitening.inverse(x, out=x)
+        output.copy_(mine)
+        if residual is not None and bounds and not bool((torch.cat(bounds) < FINITE_AMAX).all()):
+            residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        coded = send.numel() - 4 * sum(m for m, s in zip(layout.shards, layout.small) if s) * n
+        self.telemetry.add(elements=buffer.numel(), payload_bytes=coded,
+                           bytes_sent=send.numel() - layout.row_bytes)
+
+    def _residual(self, layout, device):
+        if not self.error_feedback:
+            return None
+        residual = self.residuals.get(layout.key)
+        if residual is None:
+            residual = torch.zeros(layout.ranks * layout.shard, dtype=self.residual_dtype,
+                                   device=device)
+        self.residuals[layout.key] = residual = residual.to(device)   # a loaded one: from host
+        return residual
+
+    def _convert_residuals(self, name, old_factors):
+        """A weight's residual pieces from its old whitened coordinates to the new ones."""
+        whitening = self.statistics.whitening[name]
+        for layout in self.layouts.values():
+            if name in layout.names and layout.key in self.residuals:
+                rows = self.residuals[layout.key].view(layout.ranks, layout.shard)
+                part = layout.columns(rows, layout.names.index(name))
+                x = part.reshape(-1, whitening.in_features).to(torch.float32)
+                whitening.inverse(x, factors=old_factors, out=x)
+                part.copy_(whitening.forward(x, out=x).view(part.shape))
+
+    # ---------------------------------------------------------------- checks and checkpoints
+    def config(self):
+        shapes = [(n, tuple(p.shape)) for n, p in self.params.items()]
+        return dict(format=self.codec.format, block_size=self.codec.block_size,
+                    rounding=self.codec.rounding, seed=self.codec.seed, transform=self.transform,
+                    error_feedback=self.error_feedback, residual_dtype=str(self.residual_dtype),
+                    min_elements=self.min_elements, whitening_rank=self.statistics.rank,
+                    damping=self.statistics.damping, refresh_every=self.statistics.refresh_every,
+                    stat_window=self.statistics.window,
+                    model=hashlib.sha256(repr(shapes).encode()).hexdigest()[:16])
+
+    def _check_ranks_agree(self):
+        configs = self.comm.allgather_object(dict(self.config(), step=self.step), "gift.config")
+        diff = sorted({k for c in configs for k in c if c.get(k) != configs[0].get(k)})
+        if diff:
+            raise ValueError("GIFT configuration differs across ranks in " + ", ".join(diff)
+                             + ": " + "; ".join(f"rank {r}: " + ", ".join(
+                                 f"{k}={c.get(k)!r}" for k in diff)
+                                 for r, c in enumerate(configs)))
+
+    def state_dict(self):
+        """The step, configuration and whitening statistics, and this rank's residuals and
+        statistics histories (usable by the same rank of a job of the same size)."""
+        rank_state = None
+        if self.comm is not None:
+            rank_state = {"rank": self.comm.rank, "ranks": self.comm.size,
+                          "residuals": {k: r.to("cpu", copy=True)
+                                        for k, r in self.residuals.items()},
+                          "statistics": self.statistics.local_state_dict()}
+        return {"step": self.step, "config": self.config(),
+                "statistics": self.statistics.state_dict(), "rank_state": rank_state}
+
+    def load_state_dict(self, state):
+        if state["config"] != self.config():
+            raise ValueError(f"GIFT (FSDP).load_state_dict: saved with {state['config']}, "
+                             f"this state is {self.config()}")
+        self.step = state["step"]
+        self.statistics.load_state_dict(state["statistics"])
+        self._pending_rank_state = state["rank_state"] or {}
+        self._verify = True
+
+    def _load_rank_state(self, saved):
+        self._pending_rank_state = None
+        if saved.get("rank") != self.comm.rank or saved.get("ranks") != self.comm.size:
+            if self.comm.rank == 0:
+                logger.warning("GIFT (FSDP).load_state_dict: no residuals of this rank in this "
+                               "job size; they restart at zero")
+            self.residuals = {}
+            self.statistics.load_local_state_dict({})
+            return
+        self.residuals = {k: r.to(self.residual_dtype) for k, r in saved["residuals"].items()}
+        self.statistics.load_local_state_dict(saved["statistics"])
+
+    def stats(self):
+        return self.telemetry.stats(self.step, {})

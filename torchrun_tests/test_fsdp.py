@@ -1,0 +1,137 @@
+"""GIFT as FSDP2's reduce-scatter (horovod_gift.fsdp), on gloo under torchrun."""
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from helpers import Net, assert_identical_on_all_ranks, gathered, loss_of
+from horovod_gift.fsdp import attach
+
+OPTIONS = dict(format="nvfp4", refresh_every=2, verbose=False)
+
+
+def make(seed=0, **options):
+    """(an FSDP2 model: each linear layer, then the whole, fully_shard'ed; its optimizer; its
+    GIFT state, or None for FSDP's own reduce-scatter)."""
+    torch.manual_seed(seed)
+    model = Net()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in (model.up, model.down, model.head):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    state = attach(model, **options) if options else None
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), state
+
+
+def full(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def train(model, opt, steps, first=0):
+    rank, losses = dist.get_rank(), []
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        loss = loss_of(model, step, rank)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_training_follows_fsdp_fp32_and_the_full_parameters_are_identical_on_every_rank():
+    model, opt, state = make(**OPTIONS)
+    losses = train(model, opt, 12)
+    reference, ref_opt, _ = make()
+    ref_losses = train(reference, ref_opt, 12)
+    assert state.step == 12
+    assert losses[-1] < losses[0] - 0.1, losses
+    assert abs(losses[-1] - ref_losses[-1]) < 0.05, (losses, ref_losses)
+    assert_identical_on_all_ranks([full(p) for p in model.parameters()], "parameters")
+    assert state.statistics.whitening["up.weight"].factors is not None
+    assert state.stats()["bits_per_element"] < 8, state.stats()
+
+
+@pytest.mark.parametrize("transform", ["none", "whiten"])
+def test_the_reduced_shards_are_close_to_fsdp_fp32_on_the_same_batch(transform):
+    model, opt, _ = make(**dict(OPTIONS, format="fp8_e4m3", transform=transform))
+    reference, ref_opt, _ = make()
+    rank = dist.get_rank()
+    for step in range(3):        # whitening factors from step 2 on
+        for m, o in ((model, opt), (reference, ref_opt)):
+            o.zero_grad()
+            loss_of(m, step, rank).backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            mine, theirs = full(p.grad), full(q.grad)
+            error = (mine - theirs).norm() / theirs.norm()
+            assert error < 0.05, (step, name, float(error))
+            if step == 0 and p.numel() < 1024:      # small tensors travel in fp32
+                torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-7)
+        for o in (opt, ref_opt):
+            o.step()
+
+
+def test_checkpoint_resume_is_bit_identical():
+    model, opt, state = make(**OPTIONS)
+    train(model, opt, 5)
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                "gift": state.state_dict()}, saved)
+    train(model, opt, 4, first=5)
+    resumed, resumed_opt, resumed_state = make(seed=1, **OPTIONS)
+    saved.seek(0)
+    checkpoint = torch.load(saved, weights_only=False)
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt.load_state_dict(checkpoint["opt"])
+    resumed_state.load_state_dict(checkpoint["gift"])
+    train(resumed, resumed_opt, 4, first=5)
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p.to_local(), q.to_local())
+
+
+def test_a_non_finite_gradient_comes_back_nan_and_the_next_step_is_finite():
+    model, opt, state = make(**OPTIONS)
+    train(model, opt, 2)
+    rank = dist.get_rank()
+    opt.zero_grad()
+    poison = None
+    if rank == 0:           # an Inf in what reaches up's output on rank 0 only
+        poison = model.up.register_full_backward_pre_hook(
+            lambda module, grad: (grad[0].index_fill(-1, torch.tensor([0]), float("inf")),))
+    loss_of(model, 2, rank).backward()
+    assert not torch.isfinite(full(model.up.weight.grad)).all()
+    assert torch.isfinite(full(model.head.weight.grad)).all()     # downstream of up: finite
+    if poison is not None:
+        poison.remove()
+    opt.zero_grad()
+    loss_of(model, 3, rank).backward()
+    assert all(torch.isfinite(full(p.grad)).all() for p in model.parameters())
+
+
+def test_gradient_accumulation_without_sync_reduces_the_sum_once():
+    model, _, state = make(**dict(OPTIONS, format="fp8_e4m3", transform="none"))
+    reference, _, _ = make()
+    rank = dist.get_rank()
+    for m in (model, reference):
+        m.set_requires_gradient_sync(False)
+        loss_of(m, 0, rank).backward()
+        m.set_requires_gradient_sync(True)
+        loss_of(m, 1, rank).backward()
+    assert state.step == 1
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert (full(p.grad) - full(q.grad)).norm() / full(q.grad).norm() < 0.05
+
+
+def test_options_fsdp_cannot_honour_are_refused_by_name():
+    with pytest.raises(ValueError, match="transform must be one of.*'auto'"):
+        make(**dict(OPTIONS, transform="auto"))
+
+
+def test_a_configuration_that_differs_across_ranks_raises_on_every_rank():
+    rank = dist.get_rank()
+    model, _, _ = make(**dict(OPTIONS, format="nvfp4" if rank == 0 else "fp8_e4m3"))
+    with pytest.raises(Exception, match="configuration differs across ranks in format"):
+        loss_of(model, 0, rank).backward()
+    assert gathered(True) == [True] * dist.get_world_size()
