@@ -1,9 +1,11 @@
-"""Data-parallel pretraining of a small Llama on a byte-level corpus, with Horovod.
+"""Data-parallel pretraining of a small Llama on a byte-level corpus, with Horovod, PyTorch DDP or
+FSDP2 (--engine; examples/engines.py).
 
     horovodrun -np 2 -H localhost:2 python examples/train_llama.py --compression gift-nvfp4
+    torchrun --nproc-per-node 2 examples/train_llama.py --engine ddp --compression gift-nvfp4
 
 Rank 0 shows a progress bar, logs loss, tokens/s and bits per gradient element, and writes a CSV.
-On a GPU cluster, `--device cuda` puts each rank on its local GPU (hvd.local_rank()) and runs the
+On a GPU cluster, `--device cuda` puts each rank on its local GPU (its local rank) and runs the
 forward and backward passes under bf16 autocast where the GPU supports bf16; parameters,
 gradients and GIFT's state stay fp32 on the GPU.
 """
@@ -18,22 +20,11 @@ import sys
 import time
 
 import torch
-import horovod.torch as hvd
-import horovod_gift as gift
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from data import ByteBatches, read_corpus  # noqa: E402
+from engines import COMPRESSIONS, make_engine  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
-
-# fp8 / nvfp4: the same codec and collective as gift-*, without a transform; gift-*: GIFT's defaults
-COMPRESSIONS = {
-    "none": None,
-    "fp16": None,
-    "fp8": ("fp8_e4m3", "none"),
-    "nvfp4": ("nvfp4", "none"),
-    "gift-fp8": ("fp8_e4m3", None),
-    "gift-nvfp4": ("nvfp4", None),
-}
 
 
 def make_compression(
@@ -42,6 +33,9 @@ def make_compression(
 ):
     """(Horovod's compression for --compression name, the GIFT instance or None); options: more
     GIFT arguments (topology=, node_size=)."""
+    import horovod.torch as hvd
+    import horovod_gift as gift
+
     if name == "none":
         return hvd.Compression.none, None
     if name == "fp16":
@@ -72,6 +66,8 @@ def make_parser(description=__doc__):
     p = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument("--engine", default="horovod", choices=("horovod", "ddp", "fsdp"),
+                   help="horovod: launch with horovodrun or mpirun; ddp, fsdp: with torchrun")
     p.add_argument("--compression", default="gift-nvfp4", choices=list(COMPRESSIONS))
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
@@ -87,6 +83,8 @@ def make_parser(description=__doc__):
     p.add_argument("--bucket-elements", type=int, default=1 << 22, help="GIFT bucket size")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--no-error-feedback", action="store_true", help="GIFT without error feedback")
+    p.add_argument("--residual-dtype", default="default", choices=("default", "fp32", "bf16"),
+                   help="GIFT's error-feedback residuals (default: the library's)")
     p.add_argument(
         "--log-every", type=int, default=0, help="GIFT logs a line every N steps on rank 0"
     )
@@ -123,7 +121,7 @@ def make_parser(description=__doc__):
         "--device",
         default="cpu",
         choices=("cpu", "cuda"),
-        help="cuda: each rank on GPU hvd.local_rank(), bf16 autocast where supported",
+        help="cuda: each rank on the GPU of its local rank, bf16 autocast where supported",
     )
     return p
 
@@ -158,55 +156,39 @@ def main(argv=None, parse=parse_args, build=build_model):
     of model.py), which returns (logits, loss) of model(tokens, targets)."""
     args = parse(argv)
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
-    # dynamic process sets: on nodes of several GPUs GIFT adds the sets its two-hop reduction uses
-    hvd.init(process_sets="dynamic")
+    engine = make_engine(args.engine, args.device)
+    check_engine_flags(args, engine)
     torch.manual_seed(args.seed)
-    device, autocast = place(args.device)
+    device, autocast = place(args.device, engine)
     model = build(args, device)
-    compression, compressor = make_compression(
-        args.compression,
-        model,
-        args.bucket_elements,
-        not args.no_error_feedback,
-        args.log_every,
-        args.start_step,
-    )
-    optimizer = make_optimizer(model, args.lr)
-    # wrap first: DistributedOptimizer builds a new optimizer object, which would drop loaded state
-    optimizer = hvd.DistributedOptimizer(
-        optimizer, named_parameters=model.named_parameters(), compression=compression
-    )
+    run, optimizer, compressor = engine.wrap(model, lambda m: make_optimizer(m, args.lr), args,
+                                             make_compression)
     start_step = 0
     if args.resume:
-        ckpt = torch.load(args.resume, map_location="cpu", weights_only=False)
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        if compressor is not None:
-            load_compressor(compressor, args.resume, ckpt)
-        start_step = ckpt["step"]
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        start_step = load_checkpoint(args.resume, engine, model, optimizer, compressor)
+    engine.broadcast(model, optimizer)
     batches = ByteBatches(
         read_corpus(args.data),
         args.seq_len,
         args.batch_size,
         seed=args.seed,
-        rank=hvd.rank(),
+        rank=engine.rank,
         step=start_step,
     )
     schedule = make_schedule(optimizer)
     for _ in range(start_step):
         schedule.step()
 
-    rank0 = hvd.rank() == 0
+    rank0 = engine.rank == 0
     bar = None
     if rank0 and not args.quiet:
         from tqdm import tqdm
 
         bar = tqdm(total=args.steps, initial=start_step, unit="step", dynamic_ncols=True)
     rows, losses = [], []
-    exact = ExactAverage(model) if args.gradient_error or args.gradient_error_by_tensor else None
-    tokens_per_step = args.batch_size * args.seq_len * hvd.size()
+    exact = (ExactAverage(model, engine) if args.gradient_error or args.gradient_error_by_tensor
+             else None)
+    tokens_per_step = args.batch_size * args.seq_len * engine.size
     t_start = time.perf_counter()
     for step in range(start_step, args.steps):
         t0 = time.perf_counter()
@@ -214,20 +196,14 @@ def main(argv=None, parse=parse_args, build=build_model):
         x, y = (t.to(device, non_blocking=True) for t in batches.next())
         optimizer.zero_grad()
         with autocast():
-            _, loss = model(x, y)
+            _, loss = run(x, y)
         loss.backward()
         t_step = time.perf_counter()
-        if exact is not None:
-            optimizer.synchronize()
-            gradient_error = exact.relative_error()
-            with optimizer.skip_synchronize():
-                optimizer.step()
-        else:
-            optimizer.step()
+        gradient_error = engine.step(optimizer, exact)
         in_step = time.perf_counter() - t_step
         schedule.step()
         dt = time.perf_counter() - t0
-        mean_loss = hvd.allreduce(loss.detach(), name="train.loss").item()
+        mean_loss = engine.average([loss.detach()], "train.loss")[0].item()
         losses.append(mean_loss)
         if (
             compressor is not None
@@ -236,7 +212,8 @@ def main(argv=None, parse=parse_args, build=build_model):
             codec = after["codec_seconds"] - before["codec_seconds"]
             wait = after["wait_seconds"] - before["wait_seconds"]
         else:
-            codec, wait = 0.0, in_step  # Horovod's synchronize() inside optimizer.step()
+            # Horovod's synchronize() inside optimizer.step(); DDP and FSDP wait in backward
+            codec, wait = 0.0, in_step
         row = {
             "step": step + 1,
             "loss": mean_loss,
@@ -254,7 +231,7 @@ def main(argv=None, parse=parse_args, build=build_model):
         if args.eval_every:
             last = step + 1 == args.steps
             row["heldout_loss"] = (
-                heldout_loss(model, batches, args, device, autocast)
+                heldout_loss(run, batches, args, device, autocast, engine)
                 if last or (step + 1) % args.eval_every == 0
                 else ""
             )
@@ -275,11 +252,11 @@ def main(argv=None, parse=parse_args, build=build_model):
                     flush=True,
                 )
         if args.checkpoint and args.save_every and (step + 1) % args.save_every == 0:
-            save_checkpoint(args.checkpoint, model, optimizer, compressor, step + 1)
+            save_checkpoint(args.checkpoint, engine, model, optimizer, compressor, step + 1)
     if bar is not None:
         bar.close()
     if args.checkpoint:
-        save_checkpoint(args.checkpoint, model, optimizer, compressor, args.steps)
+        save_checkpoint(args.checkpoint, engine, model, optimizer, compressor, args.steps)
     if rank0 and args.csv:
         with open(args.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -289,7 +266,8 @@ def main(argv=None, parse=parse_args, build=build_model):
         print(exact.by_tensor(), flush=True)
     if rank0 and losses:
         print(
-            summary(args, losses, compressor, time.perf_counter() - t_start, len(losses)),
+            summary(args, engine.size, losses, compressor, time.perf_counter() - t_start,
+                    len(losses)),
             flush=True,
         )
     return losses
@@ -297,10 +275,11 @@ def main(argv=None, parse=parse_args, build=build_model):
 
 class ExactAverage:
     """For studies: copies each local gradient as autograd makes it (a tensor hook runs before
-    Horovod's accumulator hook, which may compress .grad in place), and compares the averaged
-    gradients Horovod leaves in .grad with an fp32 average of the copies."""
+    Horovod's accumulator hook and DDP's, which may compress .grad in place), and compares the
+    averaged gradients the engine leaves in .grad with an fp32 average of the copies."""
 
-    def __init__(self, model):
+    def __init__(self, model, engine):
+        self.engine = engine
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -313,9 +292,7 @@ class ExactAverage:
 
     def relative_error(self):
         indices = sorted(self.local)
-        reference = hvd.grouped_allreduce(
-            [self.local[i] for i in indices], op=hvd.Average, name="train.exact_average"
-        )
+        reference = self.engine.average([self.local[i] for i in indices], "train.exact_average")
         err2 = norm2 = 0.0
         for i, ref in zip(indices, reference):
             e = float((self.params[i].grad.double() - ref.double()).square().sum())
@@ -338,40 +315,54 @@ class ExactAverage:
         return "\n".join(lines)
 
 
-def heldout_loss(model, batches, args, device, autocast):
-    """Mean loss over the same --eval-batches held-out batches at every call (split over ranks)."""
+def heldout_loss(model, batches, args, device, autocast, engine):
+    """Mean loss over the same --eval-batches held-out batches at every call (split over ranks;
+    under FSDP every rank runs as many forwards, each all-gathers, and the extra ones do not
+    count)."""
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
+    batches_run = args.eval_batches
+    if getattr(engine, "lockstep_forward", False):
+        batches_run = -(-args.eval_batches // engine.size) * engine.size
     with torch.no_grad():
-        for k in range(hvd.rank(), args.eval_batches, hvd.size()):
+        for k in range(engine.rank, batches_run, engine.size):
             x, y = (t.to(device) for t in batches.validation(seed=1234 + k))
             with autocast():
                 _, loss = model(x, y)
-            total += torch.tensor([float(loss), 1.0], dtype=torch.float64)
+            if k < args.eval_batches:
+                total += torch.tensor([float(loss), 1.0], dtype=torch.float64)
     model.train(was_training)
-    total = hvd.allreduce(total, op=hvd.Sum, name="train.heldout")
+    total = engine.sum(total, "train.heldout")
     return float(total[0] / total[1])
 
 
-def place(device):
+def check_engine_flags(args, engine):
+    """Refuse, by name, the flags an engine cannot honour."""
+    refused = {"fsdp": [("--start-step", args.start_step), ("--gradient-error",
+                         args.gradient_error or args.gradient_error_by_tensor)]}
+    for flag, given in refused.get(engine.name, []):
+        if given:
+            raise SystemExit(f"{flag} is not supported with --engine {engine.name}")
+
+
+def place(device, engine):
     """The device of this rank and the autocast context of its forward pass."""
     if device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // engine.local_size))
         return torch.device("cpu"), contextlib.nullcontext
     if not torch.cuda.is_available():
         raise SystemExit("--device cuda: this torch build sees no CUDA device")
-    torch.cuda.set_device(hvd.local_rank())
+    torch.cuda.set_device(engine.local_rank)
     if not torch.cuda.is_bf16_supported():
         return torch.device("cuda"), contextlib.nullcontext
     return torch.device("cuda"), lambda: torch.autocast("cuda", dtype=torch.bfloat16)
 
 
-def summary(args, losses, compressor, seconds, steps):
-    n = hvd.size()
+def summary(args, n, losses, compressor, seconds, steps):
     text = (
         f"done: {steps} steps on {n} ranks in {seconds:.1f}s "
-        f"with --compression {args.compression}; "
+        f"with --engine {args.engine} --compression {args.compression}; "
         f"loss {losses[0]:.4f} -> {losses[-1]:.4f}"
     )
     if compressor is not None:
@@ -386,13 +377,19 @@ def summary(args, losses, compressor, seconds, steps):
     return text
 
 
-def save_checkpoint(path, model, optimizer, compressor, step):
+def save_checkpoint(path, engine, model, optimizer, compressor, step):
     """Rank 0 saves the model, the optimizer and GIFT's shared state; every rank saves GIFT's own
     state (its error-feedback residuals) beside it, so a job of the same size resumes bit for bit
-    and a job of another size resumes with residuals at zero."""
+    and a job of another size resumes with residuals at zero. Under FSDP every rank saves its
+    shards of everything to its own file."""
+    if engine.name == "fsdp":
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                 "compressor": None if compressor is None else compressor.state_dict()}
+        torch.save(state, rank_state_path(path, engine.rank))
+        return
     if compressor is not None:
-        torch.save(compressor.state_dict(), rank_state_path(path, hvd.rank()))
-    if hvd.rank() == 0:
+        torch.save(compressor.state_dict(), rank_state_path(path, engine.rank))
+    if engine.rank == 0:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
         if compressor is not None:
             state["compressor"] = compressor.state_dict(rank_state=False)
@@ -403,17 +400,33 @@ def rank_state_path(path, rank):
     return f"{path}.gift-rank{rank}"
 
 
-def load_compressor(compressor, path, ckpt):
+def load_checkpoint(path, engine, model, optimizer, compressor):
+    """What save_checkpoint saved, back into the model (the unwrapped one), the optimizer and
+    GIFT; returns the step."""
+    if engine.name == "fsdp":
+        ckpt = torch.load(rank_state_path(path, engine.rank), map_location="cpu",
+                          weights_only=False)
+        if compressor is not None:
+            compressor.load_state_dict(ckpt["compressor"])
+    else:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        if compressor is not None:
+            load_compressor(compressor, path, ckpt, engine.rank)
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    return ckpt["step"]
+
+
+def load_compressor(compressor, path, ckpt, rank):
     """This rank's saved GIFT state if there is one from the same save (a file left by an earlier,
     larger job is not), else the shared state in the checkpoint."""
-    mine = rank_state_path(path, hvd.rank())
+    mine = rank_state_path(path, rank)
     if os.path.exists(mine):
         state = torch.load(mine, map_location="cpu", weights_only=False)
         if state["step"] == ckpt["step"]:
             compressor.load_state_dict(state)
             return
     compressor.load_state_dict(ckpt["compressor"])
-
 
 if __name__ == "__main__":
     main()

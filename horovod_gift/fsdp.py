@@ -47,17 +47,18 @@ class GiftReduceScatter(ReduceScatter):
             raise TypeError(f"GiftReduceScatter: {type(module).__name__} is not a fully_shard "
                             "module; call fully_shard(module) first")
         self.state, self.module = state, module
+        state.modules.append(module)
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        layout = self.state.layout(self.module, input_tensor.numel(), group)
+        layout = self.state.begin(self.module, input_tensor.numel(), group)
         if layout is None:      # not every parameter of the group has a gradient this step
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
                                               async_op=async_op)
         divisor = _divisor(op, dist.get_world_size(group))
-        self.state.reduce_scatter(layout, output_tensor, input_tensor, group, divisor)
+        self.state.reduce_scatter(layout, output_tensor, input_tensor, divisor)
         return None
 
 

@@ -88,27 +88,34 @@ class FsdpGiftState:
                       and all(layout.layout == "out_in" for _, _, layout in modules)}
         self.statistics = WhiteningStatistics(model, whitenable, whitening_rank, damping,
                                               refresh_every, stat_window, comm=None)
+        self.modules = []       # the fully_shard modules whose reduce-scatter is GIFT's
         self.layouts, self.residuals = {}, {}   # module id -> GroupLayout; layout key -> r1
         self.comm, self.step, self._task, self._verify = None, 0, None, True
         self._pending_rank_state = None
         self.telemetry = Telemetry(log_every)
 
     # ---------------------------------------------------------------- layout and step
-    def layout(self, module, numel, group):
-        """The GroupLayout of module's parameter group, or None when this buffer (numel) is not
-        all of it (parameters without a gradient this step: FSDP leaves them out)."""
-        if id(module) not in self.layouts:
-            (param_group,) = module._get_fsdp_state()._fsdp_param_groups
-            fsdp_params = param_group.fsdp_params
-            names = [self.name_of[id(fp.sharded_param)] for fp in fsdp_params]
-            for fp, name in zip(fsdp_params, names):
-                if fp.fsdp_placement.dim != 0:  # its rows are not sharded whole: not whitened
-                    self.statistics.whitening.pop(name, None)
-            shards = [fp.padded_sharded_param_size.numel() for fp in fsdp_params]
-            small = [self.params[n].numel() < self.min_elements for n in names]
-            self.layouts[id(module)] = GroupLayout(names, shards, small, group.size(), self.codec)
+    def begin(self, module, numel, group):
+        """At each reduce-scatter: the step's start at a backward's first (_begin_step); the
+        GroupLayout of module's parameter group, or None when this buffer (numel) is not all of
+        it (parameters without a gradient this step: FSDP leaves them out)."""
+        if not self.layouts:    # every group's, before a refresh re-expresses their residuals
+            for known in self.modules:
+                self.layouts[id(known)] = self._layout(known, group.size())
+        self._begin_step(group)
         layout = self.layouts[id(module)]
         return layout if layout.ranks * layout.shard == numel else None
+
+    def _layout(self, module, ranks):
+        (param_group,) = module._get_fsdp_state()._fsdp_param_groups
+        fsdp_params = param_group.fsdp_params
+        names = [self.name_of[id(fp.sharded_param)] for fp in fsdp_params]
+        for fp, name in zip(fsdp_params, names):
+            if fp.fsdp_placement.dim != 0:      # its rows are not sharded whole: not whitened
+                self.statistics.whitening.pop(name, None)
+        shards = [fp.padded_sharded_param_size.numel() for fp in fsdp_params]
+        small = [self.params[n].numel() < self.min_elements for n in names]
+        return GroupLayout(names, shards, small, ranks, self.codec)
 
     def _begin_step(self, group):
         """At a backward's first reduce-scatter: the rank check (first step), the statistics'
@@ -146,9 +153,8 @@ class FsdpGiftState:
                 if n in self.statistics.whitening]
 
     # ---------------------------------------------------------------- the reduce-scatter
-    def reduce_scatter(self, layout, output, buffer, group, divisor):
+    def reduce_scatter(self, layout, output, buffer, divisor):
         """output <- this rank's row of the sum (divided by divisor) of every rank's buffer."""
-        self._begin_step(group)
         n, device = layout.ranks, buffer.device
         work = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
         rows = work.view(n, layout.shard)

@@ -1,10 +1,12 @@
 """Whole jobs under mpirun: a failing rank ends the job, and a restarted job resumes bit for bit."""
 import json
+import os
 import pathlib
 import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -72,6 +74,43 @@ def test_restarted_processes_continue_bit_for_bit(tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name} differs after the restart"
+
+
+def torchrun(np, *args, timeout=240):
+    return subprocess.run(
+        [str(pathlib.Path(sys.executable).parent / "torchrun"), "--standalone",
+         "--nproc-per-node", str(np), *args],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_train_llama_under_torchrun_trains_and_resumes_bit_for_bit(tmp_path, engine):
+    """examples/train_llama.py --engine ddp|fsdp: GIFT's statistics, residuals and step resume
+    with the model and optimizer (FSDP: every rank's own shards)."""
+    straight, first, resumed = (tmp_path / f"{n}.pt" for n in ("straight", "first", "resumed"))
+    common = [*TRAIN, "--engine", engine, "--compression", "gift-nvfp4"]
+    outputs = []
+    for args in (
+        [*common, "--steps", "8", "--checkpoint", str(straight)],
+        [*common, "--steps", "4", "--checkpoint", str(first)],
+        [*common, "--steps", "8", "--resume", str(first), "--checkpoint", str(resumed)],
+    ):
+        result = torchrun(2, *args)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        outputs.append(result.stdout)
+    assert f"with --engine {engine} --compression gift-nvfp4" in outputs[0]
+    assert "bits per gradient element" in outputs[0]
+    files = ([(straight, resumed)] if engine == "ddp" else
+             [(f"{straight}.gift-rank{r}", f"{resumed}.gift-rank{r}") for r in range(2)])
+    for a_path, b_path in files:
+        a = torch.load(a_path, weights_only=False)["model"]
+        b = torch.load(b_path, weights_only=False)["model"]
+        for name in a:
+            same = torch.equal(*(t.to_local() if hasattr(t, "to_local") else t
+                                 for t in (a[name], b[name])))
+            assert same, f"{name} differs after the restart"
 
 
 def test_a_hung_collective_ends_the_job_at_the_per_test_timeout(tmp_path):
