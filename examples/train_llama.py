@@ -374,6 +374,8 @@ def summary(args, n, losses, compressor, seconds, steps):
             f"({fp32_bytes / max(sent, 1):.1f}x less); "
             f"{s['bits_per_element']:.2f} bits per gradient element"
         )
+        if "residual_bytes" in s:
+            text += f"; error-feedback residuals {s['residual_bytes']} bytes a rank"
     return text
 
 

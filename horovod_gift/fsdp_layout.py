@@ -267,4 +267,7 @@ class FsdpGiftState:
         self.statistics.load_local_state_dict(saved["statistics"])
 
     def stats(self):
-        return self.telemetry.stats(self.step, {})
+        """GIFT's counters (core.GiftCore.stats), and residual_bytes: what this rank's
+        error-feedback residuals hold."""
+        return dict(self.telemetry.stats(self.step, {}), residual_bytes=sum(
+            r.numel() * r.element_size() for r in self.residuals.values()))
