@@ -1,14 +1,16 @@
 """GIFT against what users would pick instead, each rank behind its own shaped link: wall-clock
-training time to a held-out loss target for Horovod fp32 / fp16, torch DDP fp32 and DDP +
-PowerSGD (rank 1 and 4), gift-fp8 and gift-nvfp4. Needs root and iproute2; without them it says
-so and measures nothing.
+training time to a held-out loss target for Horovod fp32 / fp16, torch DDP fp32, DDP + its bf16
+hook, DDP + PowerSGD (rank 1 and 4), DDP + GIFT's hook, FSDP2 fp32 and FSDP2 + GIFT's
+reduce-scatter, and GIFT through Horovod (gift-fp8, gift-nvfp4). Needs root and iproute2;
+without them it says so and measures nothing.
 
     .venv/bin/python benchmarks/peers.py            # about 40 minutes on 2 cores
 
 Network (benchmarks/peers_net.py): each rank in its own network namespace, a veth to a bridge,
 both ends shaped by tc tbf at the configuration's rate; its rate is measured with a TCP stream in
 both directions before the runs. Open MPI (Horovod) and gloo (DDP) both go over those veths:
-btl tcp,self only (no shared memory), GLOO_SOCKET_IFNAME, MASTER_ADDR = rank 0's address.
+btl tcp,self only (no shared memory), GLOO_SOCKET_IFNAME, MASTER_ADDR = rank 0's address (DDP
+and FSDP run over gloo).
 Training (benchmarks/peers_worker.py): examples/train_llama.py's model, ByteBatches and AdamW
 with its warm-up, the same seeds and data order in every arm; arms interleaved within each seed,
 the order rotated by one arm per seed. Target: the median over seeds of Horovod fp32's held-out

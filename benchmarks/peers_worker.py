@@ -6,8 +6,10 @@ namespace; mpi_tests/test_peers.py calls run_arm() in-process for every arm.
         --steps 240 --eval-every 20 [any examples/train_llama.py flag: --dim, --seed, ...]
 
 Arms: Horovod fp32 / fp16 / GIFT (train_llama's make_compression, the library's defaults) through
-hvd.DistributedOptimizer, and torch DDP over gloo, plain or with PowerSGD (rank 1 or 4, error
-feedback and warm start on). Every arm: the same seeded init, batches, AdamW and warm-up.
+hvd.DistributedOptimizer; torch DDP over gloo, plain, with its bf16 hook, with PowerSGD (rank 1
+or 4, error feedback and warm start on) or with GIFT's hook (horovod_gift.ddp); FSDP2 over gloo,
+plain or with GIFT's reduce-scatter (horovod_gift.fsdp). Every arm: the same seeded init, batches,
+AdamW and warm-up.
 
 Each step records its wall seconds split three ways (why each split is where it is: see
 HorovodArm.step and DdpArm.step), and the bytes this rank's interface sent during the step
@@ -23,6 +25,9 @@ import sys
 import time
 
 import torch
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from horovod_gift.torch_frontend import REDUCE_SCATTER
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -35,9 +40,13 @@ HOROVOD_ARMS = {"hvd-fp32": "none", "hvd-fp16": "fp16", "gift-fp8": "gift-fp8",
 NODE_ARMS = {"hvd-fp32-hier": ("none", {}), "gift-nvfp4-flat": ("gift-nvfp4", {"topology": "flat"}),
              "gift-nvfp4-2hop": ("gift-nvfp4", {"topology": "two-hop"}),
              "gift-fp8-2hop": ("gift-fp8", {"topology": "two-hop"})}
-DDP_ARMS = {"ddp-fp32": 0, "ddp-powersgd-r1": 1, "ddp-powersgd-r4": 4}   # arm -> PowerSGD rank
-ARMS = ["hvd-fp32", "hvd-fp16", "ddp-fp32", "ddp-powersgd-r1", "ddp-powersgd-r4", "gift-fp8",
-        "gift-nvfp4"]
+# arm -> its hook: PowerSGD's rank, "bf16" (DDP's bf16_compress_hook), "gift" (GIFT's), None
+DDP_ARMS = {"ddp-fp32": None, "ddp-bf16": "bf16", "ddp-powersgd-r1": 1, "ddp-powersgd-r4": 4,
+            "ddp-gift-nvfp4": "gift"}
+FSDP_ARMS = {"fsdp-fp32": None, "fsdp-gift-nvfp4": "gift"}
+ARMS = ["hvd-fp32", "hvd-fp16", "ddp-fp32", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r4",
+        "ddp-gift-nvfp4", "fsdp-fp32", "fsdp-gift-nvfp4", "gift-fp8", "gift-nvfp4"]
+TORCH_ARMS = set(DDP_ARMS) | set(FSDP_ARMS)
 
 
 def parse_args(argv=None):
@@ -122,16 +131,19 @@ class HorovodArm:
 
 
 class DdpArm:
-    """torch DDP on the default (gloo) process group, with PowerSGD's hook for rank > 0."""
+    """torch DDP on the default (gloo) process group, with the hook of its arm."""
 
     def __init__(self, arm, model, args):
         import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+        from horovod_gift.ddp import GiftState, gift_hook
         self.dist, self.module = dist, model
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         self.optimizer = train_llama.make_optimizer(model, args.lr)
-        self.powersgd = None
-        if not DDP_ARMS[arm]:
+        self.powersgd = self.gift = None
+        hook = DDP_ARMS[arm]
+        if not isinstance(hook, int):
             self.model = torch.nn.parallel.DistributedDataParallel(model)   # rank 0's weights
         else:
             # one bucket (an explicit cap drops DDP's small first bucket): with two, PowerSGD's
@@ -139,9 +151,14 @@ class DdpArm:
             # that can differ between ranks, and gloo aborts on the mismatch (seen at rank 4)
             self.model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
             self.powersgd = psgd.PowerSGDState(
-                process_group=None, matrix_approximation_rank=DDP_ARMS[arm],
+                process_group=None, matrix_approximation_rank=hook,
                 start_powerSGD_iter=args.powersgd_start, use_error_feedback=True, warm_start=True)
             self.model.register_comm_hook(self.powersgd, self._timed(psgd.powerSGD_hook))
+        if hook == "bf16":
+            self.model.register_comm_hook(None, self._timed(default_hooks.bf16_compress_hook))
+        elif hook == "gift":
+            self.gift = GiftState(self.model, format="nvfp4", verbose=False)
+            self.model.register_comm_hook(self.gift, self._timed(gift_hook))
         self.hook_seconds = self.hook_end = self.grads_end = 0.0
         for p in model.parameters():       # marks when the last local gradient is complete
             p.register_post_accumulate_grad_hook(self._mark)
@@ -162,16 +179,19 @@ class DdpArm:
         """Returns (loss, codec seconds, waiting seconds). DDP's allreduces overlap backward()
         and backward() returns only when they are done, so waiting is the tail of backward()
         after the last local gradient (and the last comm hook) finished. Codec: time in the
-        PowerSGD hook on this thread (P = MQ, error feedback); its orthogonalization, Q = M^T P
-        and decompression run in gloo's callback thread and so count as waiting. Compute is
-        the rest."""
+        hook on this thread (PowerSGD: P = MQ, error feedback; its orthogonalization, Q = M^T P
+        and decompression run in gloo's callback thread and so count as waiting); GIFT's hook
+        waits for its collectives on this thread: GIFT's own count of that waiting moves from
+        codec to waiting. Compute is the rest."""
         self.hook_seconds = self.hook_end = self.grads_end = 0.0
+        before = self.gift.stats()["wait_seconds"] if self.gift else 0.0
         self.optimizer.zero_grad()
         _, loss = self.model(x, y)
         loss.backward()
         wait = time.perf_counter() - max(self.grads_end, self.hook_end)
+        inside = self.gift.stats()["wait_seconds"] - before if self.gift else 0.0
         self.optimizer.step()
-        return loss, self.hook_seconds, wait
+        return loss, self.hook_seconds - inside, wait + inside
 
     def allreduce_sum(self, tensor):
         self.dist.all_reduce(tensor)
@@ -187,16 +207,78 @@ class DdpArm:
         return self.powersgd is None or bool(self.powersgd.error_dict)
 
 
+class FsdpArm(DdpArm):
+    """FSDP2 on the default (gloo) process group: each block, then the model, fully_shard'ed;
+    its own reduce-scatter timed as waiting, or GIFT's (codec and waiting by GIFT's counts)."""
+
+    lockstep_forward = True     # every forward all-gathers: every rank runs as many
+
+    def __init__(self, arm, model, args):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from horovod_gift.fsdp import attach
+        self.dist, self.module = dist, model
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        mesh = init_device_mesh("cpu", (self.size,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.model = model
+        self.optimizer = train_llama.make_optimizer(model, args.lr)
+        self.powersgd, self.gift, self.waited = None, None, [0.0]
+        if FSDP_ARMS[arm] == "gift":
+            self.gift = attach(model, format="nvfp4", verbose=False)
+        else:
+            for module in model.modules():
+                if hasattr(module, "set_custom_reduce_scatter"):
+                    module.set_custom_reduce_scatter(TimedReduceScatter(self.waited))
+
+    def step(self, x, y):
+        """Returns (loss, codec seconds, waiting seconds): GIFT's own counts of its codec work
+        and of its wait for the alltoall, or the time in FSDP's own reduce-scatters."""
+        before = self.gift.stats() if self.gift else None
+        self.waited[0] = 0.0
+        self.optimizer.zero_grad()
+        _, loss = self.model(x, y)
+        loss.backward()
+        self.optimizer.step()
+        if self.gift is None:
+            return loss, 0.0, self.waited[0]
+        after = self.gift.stats()
+        return (loss, after["codec_seconds"] - before["codec_seconds"],
+                after["wait_seconds"] - before["wait_seconds"])
+
+
+class TimedReduceScatter(ReduceScatter):
+    """FSDP's own reduce-scatter, its seconds added to waited[0]."""
+
+    def __init__(self, waited):
+        self.waited = waited
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        t = time.perf_counter()
+        REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group)
+        self.waited[0] += time.perf_counter() - t
+
+
 def heldout_loss(arm, batches, args):
     """train_llama's held-out loss: mean over the same --eval-batches validation batches,
     split over the ranks, summed in float64."""
     model = arm.module if isinstance(arm, DdpArm) else arm.model
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
+    evaluated = args.eval_batches
+    if getattr(arm, "lockstep_forward", False):     # FSDP: as many forwards on every rank
+        evaluated = -(-args.eval_batches // arm.size) * arm.size
     with torch.no_grad():
-        for k in range(arm.rank, args.eval_batches, arm.size):
+        for k in range(arm.rank, evaluated, arm.size):
             _, loss = model(*batches.validation(seed=1234 + k))
-            total += torch.tensor([float(loss), 1.0], dtype=torch.float64)
+            if k < args.eval_batches:
+                total += torch.tensor([float(loss), 1.0], dtype=torch.float64)
     model.train()
     total = arm.allreduce_sum(total)
     return float(total[0] / total[1])
@@ -207,7 +289,8 @@ def run_arm(args):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size(args.arm)))
     torch.manual_seed(args.seed)
     model = train_llama.build_model(args, torch.device("cpu"))
-    arm = (DdpArm if args.arm in DDP_ARMS else HorovodArm)(args.arm, model, args)
+    kind = DdpArm if args.arm in DDP_ARMS else FsdpArm if args.arm in FSDP_ARMS else HorovodArm
+    arm = kind(args.arm, model, args)
     schedule = train_llama.make_schedule(arm.optimizer)
     batches = ByteBatches(read_corpus(args.data), args.seq_len, args.batch_size, seed=args.seed,
                           rank=arm.rank)
@@ -229,14 +312,15 @@ def run_arm(args):
             evals.append({"step": step, "clock": clock,
                           "heldout": heldout_loss(arm, batches, args)})
     bytes_by_rank = arm.allgather(sum(r["bytes"] for r in rows[len(rows) // 2:]))
-    params = [p.detach().clone() for p in model.parameters()]
+    params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+              for p in model.parameters()]
     return {"arm": args.arm, "ranks": arm.size, "seed": args.seed, "rows": rows, "evals": evals,
             "steady_bytes_by_rank": bytes_by_rank, "compressed": arm.compressed(),
             "powersgd_start": args.powersgd_start, "params": params}
 
 
 def world_size(arm):
-    if arm in DDP_ARMS:
+    if arm in TORCH_ARMS:
         import torch.distributed as dist
         return dist.get_world_size()
     import horovod.torch as hvd
@@ -246,7 +330,7 @@ def world_size(arm):
 def main(argv=None):
     args = parse_args(argv)
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
-    if args.arm in DDP_ARMS:     # MASTER_ADDR / MASTER_PORT / GLOO_SOCKET_IFNAME come from peers.py
+    if args.arm in TORCH_ARMS:   # MASTER_ADDR / MASTER_PORT / GLOO_SOCKET_IFNAME come from peers.py
         import torch.distributed as dist
         dist.init_process_group("gloo", rank=rank,
                                 world_size=int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
@@ -262,7 +346,7 @@ def main(argv=None):
     if rank == 0 and args.out:
         pathlib.Path(args.out).write_text(json.dumps(result))
     code = 0 if finite else 1
-    if args.arm in DDP_ARMS:
+    if args.arm in TORCH_ARMS:
         dist.barrier()
         # gloo's threads left by PowerSGD's callbacks can abort the C++ teardown ("terminate
         # called without an active exception", rank 1 at 1 Gbit/s): the result is written and

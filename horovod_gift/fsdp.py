@@ -34,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .fsdp_layout import GroupLayout, FsdpGiftState
+from .torch_frontend import REDUCE_SCATTER
 
 __all__ = ["attach", "GiftReduceScatter", "FsdpGiftState", "GroupLayout"]
 
@@ -55,8 +56,8 @@ class GiftReduceScatter(ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         layout = self.state.begin(self.module, input_tensor.numel(), group)
         if layout is None:      # not every parameter of the group has a gradient this step
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
-                                              async_op=async_op)
+            return REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group,
+                                  async_op=async_op)
         divisor = _divisor(op, dist.get_world_size(group))
         self.state.reduce_scatter(layout, output_tensor, input_tensor, divisor)
         return None

@@ -16,8 +16,9 @@ from .telemetry import logger
 from .topology import Flat, TwoHop, plan_nodes
 
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-# torch 2.13 names all_gather_into_tensor all_gather_single (and warns on the old name)
+# torch 2.13 renames all_gather_into_tensor and reduce_scatter_tensor (and warns on the old names)
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class TorchHandle(Handle):
