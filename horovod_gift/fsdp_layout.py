@@ -64,8 +64,12 @@ class FsdpGiftState:
     def __init__(self, model, format="nvfp4", transform="whiten", error_feedback=True,
                  residual_dtype=torch.bfloat16, block_size=None, rounding="nearest", seed=0,
                  min_elements=1024, whitening_rank=32, damping=1.0, refresh_every=4,
-                 stat_window=5, log_every=0, verbose=True):
+                 stat_window=5, nonfinite="nan", log_every=0, verbose=True):
         check_codec(format, block_size, rounding, where="GIFT (FSDP)")
+        if nonfinite != "nan":
+            raise ValueError(f"GIFT (FSDP): nonfinite must be 'nan', got {nonfinite!r}: each "
+                             "shard's sum is seen by its owner alone, so no rank can raise for "
+                             "all of them")
         if transform not in FSDP_TRANSFORMS:
             raise ValueError(f"GIFT (FSDP): transform must be one of {FSDP_TRANSFORMS}, got "
                              f"{transform!r}: the Hadamard rotations mix rows FSDP shards apart")

@@ -129,6 +129,8 @@ def test_gradient_accumulation_without_sync_reduces_the_sum_once():
 def test_options_fsdp_cannot_honour_are_refused_by_name():
     with pytest.raises(ValueError, match="transform must be one of.*'auto'"):
         make(**dict(OPTIONS, transform="auto"))
+    with pytest.raises(ValueError, match="nonfinite must be 'nan', got 'raise'"):
+        make(**dict(OPTIONS, nonfinite="raise"))
 
 
 def test_a_configuration_that_differs_across_ranks_raises_on_every_rank():
