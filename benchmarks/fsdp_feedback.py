@@ -98,15 +98,22 @@ def main():
         "parameter; FSDP's own sharded state (fp32 parameters, gradients, Adam's two moments) "
         f"is 16 / {args.ranks} = {16 / args.ranks:.1f} bytes per parameter here, 16 / ranks in "
         "general.", "",
-        "| arm | held-out loss (mean) | vs fsdp fp32 (95 % CI) | residual bytes / parameter "
-        "| bits / element | seconds a run |", "|---|---|---|---|---|---|"]
-    base = [results["fsdp fp32", s]["final"] for s in args.seeds]
+        "| arm | held-out loss (mean) | vs fsdp fp32 (95 % CI) | vs EF bf16 (95 % CI) "
+        "| residual bytes / parameter | bits / element | seconds a run |",
+        "|---|---|---|---|---|---|---|"]
+
+    def paired(arm, against):
+        if arm == against:
+            return "-"
+        d, h = interval([results[arm, s]["final"] - results[against, s]["final"]
+                         for s in args.seeds])
+        return f"{d:+.4f} ({d - h:+.4f} .. {d + h:+.4f})"
+
     for arm in ARMS:
         runs = [results[arm, s] for s in args.seeds]
         finals = [r["final"] for r in runs]
-        d, h = interval([f - b for f, b in zip(finals, base)])
-        diff = "-" if arm == "fsdp fp32" else f"{d:+.4f} ({d - h:+.4f} .. {d + h:+.4f})"
-        lines.append(f"| {arm} | {sum(finals) / len(finals):.4f} | {diff} | "
+        lines.append(f"| {arm} | {sum(finals) / len(finals):.4f} | {paired(arm, 'fsdp fp32')} | "
+                     f"{paired(arm, 'gift-nvfp4 EF bf16')} | "
                      f"{runs[0]['residual_bytes'] / n_params:.2f} | {runs[0]['bits']:.2f} | "
                      f"{sum(r['seconds'] for r in runs) / len(runs):.0f} |")
     pathlib.Path(args.out).write_text("\n".join(lines) + "\n")

@@ -29,7 +29,7 @@ from horovod.torch.compression import Compressor
 from torch.profiler import record_function
 
 from . import horovod_internals as internals
-from .core import GiftCore
+from .core import GiftCore, sparse_gradient_parameters
 from .horovod_frontend import HorovodCommunicator, horovod_topology
 
 HOROVOD_DTYPES = (torch.float16, torch.float32, torch.float64)
@@ -61,17 +61,18 @@ class GIFT(GiftCore, Compressor):
     size. Warm-up steps (start_step) take Horovod's fp32 path.
     """
 
-    def __init__(self, model, process_set=None, **options):
+    def __init__(self, model, *, process_set=None, **options):
         if not hvd.is_initialized():
             raise RuntimeError("GIFT: call hvd.init() before creating GIFT(model, ...)")
         self.requested_process_set = process_set
         self.process_set = process_set or hvd.global_process_set
         super().__init__(model, HorovodCommunicator(self.process_set),
-                         uncompressed=internals.sparse_gradient_parameters(model), **options)
+                         uncompressed=sparse_gradient_parameters(model), **options)
         # with no process set given, chosen for the optimizer's set at the first step: only its
         # ranks may be making this GIFT
-        self.topology = (horovod_topology(self.topology_request, self.node_size, process_set)
-                         if process_set is not None else None)
+        if process_set is not None:
+            self.choose_topology(lambda: horovod_topology(self.topology_request, self.node_size,
+                                                          process_set))
         self._optimizer = None          # weak reference to the Horovod optimizer served
         # Parameters frozen now and trained later take an fp32 path: buckets must not wait for them.
         self.unhooked = internals.UnhookedParameters(self.params, self.nonfinite, self.verbose)

@@ -144,6 +144,15 @@ class GiftCore(Checkpointing, Reporting):
         self.telemetry = Telemetry(log_every)
         self._compiles_seen = CompileCount.count
 
+    def choose_topology(self, make):
+        """self.topology = make(); if it raises (a topology the job cannot have), the statistics'
+        hooks leave the model first, as if this GIFT had never been made."""
+        try:
+            self.topology = make()
+        except Exception:
+            self.statistics.remove_hooks()
+            raise
+
     # ---------------------------------------------------------------- one step
     def new_pipeline(self):
         return StagePipeline(self.buckets, self.telemetry)
@@ -275,3 +284,13 @@ class GiftCore(Checkpointing, Reporting):
         for name, old_inverse in change().items():
             if self.feedback:
                 self.feedback.convert(name, old_inverse, functools.partial(self.plan.forward, name))
+
+
+def sparse_gradient_parameters(model):
+    """Names of the weights of embeddings made with sparse=True (their gradients are sparse: no
+    bucket may wait for them)."""
+    names = set()
+    for module_name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
+            names.add(f"{module_name}.weight" if module_name else "weight")
+    return names

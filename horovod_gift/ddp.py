@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
 from .collective import Fp32Reduction
-from .core import GiftCore
+from .core import GiftCore, sparse_gradient_parameters
 from .torch_frontend import TorchCommunicator, torch_topology
 
 
@@ -72,20 +72,41 @@ class GiftState(GiftCore):
     topology "auto" or "two-hop" it gathers the ranks' placement and may make node groups).
     """
 
-    def __init__(self, model, process_group=None, **options):
+    def __init__(self, model, *, process_group=None, **options):
         if not dist.is_initialized():
             raise RuntimeError("GiftState: call torch.distributed.init_process_group() before "
                                "creating GiftState(model, ...)")
-        module = model.module if isinstance(model, DistributedDataParallel) else model
-        if process_group is None and isinstance(model, DistributedDataParallel):
+        wrapped = isinstance(model, DistributedDataParallel)
+        module = model.module if wrapped else model
+        if process_group is None and wrapped:
             process_group = model.process_group
+        sparse = sparse_gradient_parameters(module)
+        if sparse:
+            raise ValueError(f"GiftState: {', '.join(sorted(sparse))} has sparse gradients, "
+                             "which a DDP communication hook cannot take; make the embedding "
+                             "with sparse=False")
         self.process_group = process_group
-        super().__init__(module, TorchCommunicator(process_group), **options)
-        self.topology = torch_topology(self.topology_request, self.node_size, process_group)
+        # where metadata travels under NCCL: the gradients' GPU, not whichever is current
+        self.device = next(p.device for p in module.parameters())
+        ignored = set(getattr(model, "parameters_to_ignore", ()))    # DDP never reduces them
+        super().__init__(module, TorchCommunicator(process_group, self.device),
+                         uncompressed=ignored, **options)
+        self.choose_topology(self._topology)
         self.name_of = {id(p): n for n, p in self.params.items()}
         self._optimizer = None      # what Checkpointing.reset_rank_state clears (Horovod's)
         self._reset_step()
         weakref.finalize(self, self.statistics.remove_hooks)
+
+    def _topology(self):
+        return torch_topology(self.topology_request, self.node_size, self.process_group,
+                              self.device)
+
+    def reset_rank_state(self):
+        """Checkpointing's (call it on every rank when the number of ranks changes), and the
+        nodes chosen again now: collective over the group."""
+        super().reset_rank_state()
+        self.comm = self.statistics.comm = TorchCommunicator(self.process_group, self.device)
+        self.topology = self._topology()
 
     # ---------------------------------------------------------------- the hook
     def hook(self, bucket):
@@ -99,16 +120,16 @@ class GiftState(GiftCore):
     def _hook(self, bucket):
         step = self.current
         if not step.in_step:
-            step.in_step = True
-            step.compressing = self.begin_step()
+            step.compressing = self.begin_step()    # raises on every rank, or on none
             step.pipeline = self.new_pipeline()
+            step.in_step = True
         step.hooks += 1
         buffer = bucket.buffer()
         self.telemetry.add(elements=buffer.numel())
         if not step.compressing:    # warm-up: DDP's own allreduce of the bucket
             self.telemetry.add(uncompressed_elements=buffer.numel(),
                                payload_bytes=buffer.element_size() * buffer.numel())
-            buffer.div_(self.comm.size)
+            buffer.mul_(1.0 / self.comm.size)       # as DDP's own reducer scales a bucket
             future = dist.all_reduce(buffer, group=self.process_group,
                                      async_op=True).get_future().then(lambda f: f.value()[0])
             if bucket.is_last():
@@ -125,7 +146,7 @@ class GiftState(GiftCore):
         if bucket.is_last():
             error = self._finish_step()
             if error is not None:   # DDP raises it from backward, where it waits for the futures
-                failed = torch.futures.Future()
+                failed = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
                 failed.set_exception(error)
                 return failed
         return entry.future
@@ -134,7 +155,9 @@ class GiftState(GiftCore):
         """Transform this DDP bucket's compressed gradients (over the buffer) and start the fp32
         allreduce of its small ones."""
         buffer, step = bucket.buffer(), self.current
-        entry = _Bucket(torch.futures.Future(), buffer, [], [])
+        # on CUDA the future records the current stream, which DDP's wait then waits for
+        future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+        entry = _Bucket(future, buffer, [], [])
         for p, grad in zip(bucket.parameters(), bucket.gradients()):
             name = self.name_of.get(id(p))
             if name is None:

@@ -48,13 +48,14 @@ class GiftReduceScatter(ReduceScatter):
             raise TypeError(f"GiftReduceScatter: {type(module).__name__} is not a fully_shard "
                             "module; call fully_shard(module) first")
         self.state, self.module = state, module
-        state.modules.append(module)
+        if module._get_fsdp_state()._fsdp_param_groups:   # else FSDP never reduce-scatters it
+            state.modules.append(module)
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        layout = self.state.begin(self.module, input_tensor.numel(), group)
+        layout = self.state.begin(self.module, input_tensor, group)
         if layout is None:      # not every parameter of the group has a gradient this step
             return REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group,
                                   async_op=async_op)
@@ -76,7 +77,9 @@ def attach(model, **options):
     """Make an FsdpGiftState for model (options: its arguments) and set a GiftReduceScatter on
     every fully_shard module in it; returns the state (for state_dict() and stats())."""
     state = FsdpGiftState(model, **options)
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    # a fully_shard module without parameters of its own has no reduce-scatter
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)
+               and m._get_fsdp_state()._fsdp_param_groups]
     if not modules:
         raise ValueError("attach: the model has no fully_shard module; call fully_shard on its "
                          "layers and on the model first")

@@ -94,42 +94,54 @@ class FsdpGiftState:
                                               refresh_every, stat_window, comm=None)
         self.modules = []       # the fully_shard modules whose reduce-scatter is GIFT's
         self.layouts, self.residuals = {}, {}   # module id -> GroupLayout; layout key -> r1
+        self.unwhitened = set()  # whitenable weights FSDP shards on another dim than rows
         self.comm, self.step, self._task, self._verify = None, 0, None, True
+        self.device = None       # the gradients' (from the first reduce-scatter)
         self._pending_rank_state = None
+        self._bounds = []        # this step's bounds on the encodes' magnitudes (scrub)
+        self._partial = set()    # groups reduced in fp32 (a parameter had no gradient), warned
         self.telemetry = Telemetry(log_every)
 
     # ---------------------------------------------------------------- layout and step
-    def begin(self, module, numel, group):
+    def begin(self, module, buffer, group):
         """At each reduce-scatter: the step's start at a backward's first (_begin_step); the
-        GroupLayout of module's parameter group, or None when this buffer (numel) is not all of
-        it (parameters without a gradient this step: FSDP leaves them out)."""
+        GroupLayout of module's parameter group, or None when this buffer is not all of it
+        (a trained parameter without a gradient this step: FSDP leaves it out)."""
+        if self.device is None:
+            self.device = buffer.device
+            if self.comm is None:
+                self.comm = self.statistics.comm = TorchCommunicator(group, self.device)
         if not self.layouts:    # every group's, before a refresh re-expresses their residuals
             for known in self.modules:
                 self.layouts[id(known)] = self._layout(known, group.size())
-        self._begin_step(group)
+        self._begin_step()
         layout = self.layouts[id(module)]
-        return layout if layout.ranks * layout.shard == numel else None
+        if layout.ranks * layout.shard == buffer.numel():
+            return layout
+        if layout.key not in self._partial and self.comm.rank == 0:
+            logger.warning("GIFT (FSDP): a parameter of %s had no gradient: the group is "
+                           "reduced in fp32 whenever that happens", ", ".join(layout.names))
+        self._partial.add(layout.key)
+        return None
 
     def _layout(self, module, ranks):
+        """Its parameter group's GroupLayout: the parameters that train, in FSDP's order."""
         (param_group,) = module._get_fsdp_state()._fsdp_param_groups
-        fsdp_params = param_group.fsdp_params
+        fsdp_params = [fp for fp in param_group.fsdp_params if fp.sharded_param.requires_grad]
         names = [self.name_of[id(fp.sharded_param)] for fp in fsdp_params]
-        for fp, name in zip(fsdp_params, names):
-            if fp.fsdp_placement.dim != 0:      # its rows are not sharded whole: not whitened
-                self.statistics.whitening.pop(name, None)
+        self.unwhitened.update(name for fp, name in zip(fsdp_params, names)
+                               if fp.fsdp_placement.dim != 0)   # rows not sharded whole
         shards = [fp.padded_sharded_param_size.numel() for fp in fsdp_params]
         small = [self.params[n].numel() < self.min_elements for n in names]
         return GroupLayout(names, shards, small, ranks, self.codec)
 
-    def _begin_step(self, group):
+    def _begin_step(self):
         """At a backward's first reduce-scatter: the rank check (first step), the statistics'
         refresh (due steps), and the step's end queued after backward."""
         task = torch._C._current_graph_task_id()
         if task != -1 and task == self._task:
             return
         self._task = task
-        if self.comm is None:
-            self.comm = self.statistics.comm = TorchCommunicator(group)
         if self._pending_rank_state is not None:
             self._load_rank_state(self._pending_rank_state)
         if self._verify:
@@ -148,13 +160,19 @@ class FsdpGiftState:
             self._end_step()
 
     def _end_step(self):
+        """After backward: the residuals an encode of this step may have made non-finite back
+        to zero (one verdict for the whole step: one host sync), and the step counted."""
+        bounds, self._bounds = self._bounds, []
+        if bounds and not bool((torch.cat(bounds) < FINITE_AMAX).all()):
+            for residual in self.residuals.values():
+                residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         self.step += 1
         self._task = None
         self.telemetry.end_step(self.step, lambda: {}, self.comm.rank == 0)
 
     def _whitened(self, layout):
         return [(i, self.statistics.whitening[n]) for i, n in enumerate(layout.names)
-                if n in self.statistics.whitening]
+                if n in self.statistics.whitening and n not in self.unwhitened]
 
     # ---------------------------------------------------------------- the reduce-scatter
     def reduce_scatter(self, layout, output, buffer, divisor):
@@ -169,9 +187,14 @@ class FsdpGiftState:
         send = torch.empty(n * layout.row_bytes, dtype=torch.uint8, device=device)
         send_rows = send.view(n, layout.row_bytes)
         residual = self._residual(layout, device)
+        # a bf16 residual through an fp32 copy: the codec's one-call paths take fp32 ones (else
+        # a call per piece: ranks x parameters of them)
+        wide = None if residual is None else residual.to(torch.float32)
         seed = mix_seed(self.codec.seed, self.step, self.comm.rank, layout.key)
-        bounds = (self.codec.encode_pieces(work, residual, layout.pieces, send, seed)
-                  if len(layout.pieces.starts) else [])
+        if len(layout.pieces.starts):
+            self._bounds += self.codec.encode_pieces(work, wide, layout.pieces, send, seed)
+        if residual is not None and wide is not residual:
+            residual.copy_(wide)
         for i in np.flatnonzero(layout.small).tolist():
             layout.columns(send_rows, i, 4 * layout.shards[i]).view(torch.float32).copy_(
                 layout.columns(rows, i))
@@ -190,8 +213,6 @@ class FsdpGiftState:
             x = part.view(-1, whitening.in_features)
             whitening.inverse(x, out=x)
         output.copy_(mine)
-        if residual is not None and bounds and not bool((torch.cat(bounds) < FINITE_AMAX).all()):
-            residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         coded = send.numel() - 4 * sum(m for m, s in zip(layout.shards, layout.small) if s) * n
         self.telemetry.add(elements=buffer.numel(), payload_bytes=coded,
                            bytes_sent=send.numel() - layout.row_bytes)
@@ -199,12 +220,10 @@ class FsdpGiftState:
     def _residual(self, layout, device):
         if not self.error_feedback:
             return None
-        residual = self.residuals.get(layout.key)
-        if residual is None:
-            residual = torch.zeros(layout.ranks * layout.shard, dtype=self.residual_dtype,
-                                   device=device)
-        self.residuals[layout.key] = residual = residual.to(device)   # a loaded one: from host
-        return residual
+        if layout.key not in self.residuals:
+            self.residuals[layout.key] = torch.zeros(layout.ranks * layout.shard,
+                                                     dtype=self.residual_dtype, device=device)
+        return self.residuals[layout.key]
 
     def _convert_residuals(self, name, old_factors):
         """A weight's residual pieces from its old whitened coordinates to the new ones."""
@@ -240,8 +259,8 @@ class FsdpGiftState:
     def state_dict(self):
         """The step, configuration and whitening statistics, and this rank's residuals and
         statistics histories (usable by the same rank of a job of the same size)."""
-        rank_state = None
-        if self.comm is not None:
+        rank_state = self._pending_rank_state    # loaded, not applied yet
+        if rank_state is None and self.comm is not None:
             rank_state = {"rank": self.comm.rank, "ranks": self.comm.size,
                           "residuals": {k: r.to("cpu", copy=True)
                                         for k, r in self.residuals.items()},
@@ -267,7 +286,8 @@ class FsdpGiftState:
             self.residuals = {}
             self.statistics.load_local_state_dict({})
             return
-        self.residuals = {k: r.to(self.residual_dtype) for k, r in saved["residuals"].items()}
+        self.residuals = {k: r.to(self.device, self.residual_dtype)
+                          for k, r in saved["residuals"].items()}
         self.statistics.load_local_state_dict(saved["statistics"])
 
     def stats(self):

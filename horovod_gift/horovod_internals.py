@@ -161,16 +161,6 @@ class GradientNames:
                          "same model's named_parameters() to hvd.DistributedOptimizer")
 
 
-def sparse_gradient_parameters(model):
-    """Names of the weights of embeddings made with sparse=True: Horovod reduces their sparse
-    gradients itself and never calls compress, so no bucket may wait for them."""
-    names = set()
-    for module_name, module in model.named_modules():
-        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
-            names.add(f"{module_name}.weight" if module_name else "weight")
-    return names
-
-
 class UnhookedParameters:
     """Parameters frozen when the optimizer was wrapped and trainable later: Horovod hooks only
     the parameters trainable at construction, so GIFT averages these itself at the end of a step."""

@@ -23,10 +23,13 @@ REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sca
 
 class TorchHandle(Handle):
     """A torch.distributed Work and the tensor it fills (moved back to `home` once waited for:
-    host metadata that travelled through a GPU-only backend)."""
+    host metadata that travelled through a GPU-only backend). sent: the input, held until
+    wait(): NCCL keeps an async op's tensors only until then, so on CUDA both are marked as used
+    by the stream that waited (the engine's work is ordered before that stream's later work)."""
 
-    def __init__(self, work, result, home=None):
-        self.work, self.result, self.home, self._done = work, result, home, False
+    def __init__(self, work, result, home=None, sent=None):
+        self.work, self.result, self.home, self.sent = work, result, home, sent
+        self._done = False
 
     def poll(self):
         return self._done or self.work.is_completed()
@@ -35,6 +38,10 @@ class TorchHandle(Handle):
         if not self._done:
             self.work.wait()
             self._done = True
+            for tensor in (self.sent, self.result):
+                if tensor is not None and tensor.is_cuda:
+                    tensor.record_stream(torch.cuda.current_stream(tensor.device))
+            self.sent = None
             if self.home is not None:
                 self.result = _to(self.result, self.home)
         return self.result
@@ -48,15 +55,17 @@ def _to(value, device):
 
 class TorchCommunicator(Communicator):
     """The ranks of a torch.distributed process group (the default group with None). Host
-    tensors (GIFT's metadata) travel through the group's device when its backend has no CPU
-    support (NCCL)."""
+    tensors (GIFT's metadata) travel through `device` (the gradients': one GPU a rank; by
+    default the current one) when the backend has no CPU support (NCCL)."""
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, device=None):
         self.group = group if group is not None else dist.group.WORLD
         self.size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        backend = dist.get_backend(self.group)
-        self.host_device = (torch.device("cuda", torch.cuda.current_device())
-                            if backend == "nccl" else None)
+        self.host_device = None
+        if dist.get_backend(self.group) == "nccl":
+            self.host_device = (torch.device(device) if device is not None and
+                                torch.device(device).type == "cuda"
+                                else torch.device("cuda", torch.cuda.current_device()))
 
     def _placed(self, tensor):
         """(tensor where the backend takes it, the device to return the result to or None)."""
@@ -74,14 +83,15 @@ class TorchCommunicator(Communicator):
         work = dist.all_to_all_single(received, tensor, [mine] * self.size, sizes,
                                       group=self.group, async_op=True)
         counts = torch.full((self.size,), mine, dtype=torch.int32, device="cpu")
-        return _AlltoallHandle(work, received, counts, home)
+        return _AlltoallHandle(work, received, counts, home, tensor)
 
     def allgather_async(self, tensor, name):
         tensor, home = self._placed(tensor)
         out = torch.empty((self.size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype,
                           device=tensor.device)
-        work = ALL_GATHER(out, tensor.contiguous(), group=self.group, async_op=True)
-        return TorchHandle(work, out, home)
+        sent = tensor.contiguous()
+        work = ALL_GATHER(out, sent, group=self.group, async_op=True)
+        return TorchHandle(work, out, home, sent)
 
     def allreduce_async(self, tensor, op, name):
         out, home = self._placed(tensor.clone())
@@ -97,8 +107,8 @@ class TorchCommunicator(Communicator):
 
 
 class _AlltoallHandle(TorchHandle):
-    def __init__(self, work, received, counts, home):
-        super().__init__(work, received, home)
+    def __init__(self, work, received, counts, home, sent):
+        super().__init__(work, received, home, sent)
         self.counts = counts
 
     def wait(self):
@@ -118,13 +128,13 @@ class _BroadcastHandle(TorchHandle):
         return self.tensor
 
 
-def torch_topology(kind, node_size, group=None):
+def torch_topology(kind, node_size, group=None, device=None):
     """The Topology (topology.py) of a GIFT over a torch.distributed group: Flat, or TwoHop over
     a group for each node and one for each local rank across nodes. Collective over the group
     for "auto" and "two-hop" (every rank decides the same, and raises the same error); node
     groups are made for the default group only. The launcher's local size is torchrun's
-    LOCAL_WORLD_SIZE (1 where it is not set)."""
-    comm = TorchCommunicator(group)
+    LOCAL_WORLD_SIZE (1 where it is not set). device: TorchCommunicator's."""
+    comm = TorchCommunicator(group, device)
     if kind == "flat":
         return Flat(comm)
     if group is not None and group is not dist.group.WORLD:
@@ -149,4 +159,4 @@ def torch_topology(kind, node_size, group=None):
         [list(range(local, ranks, per_node)) for local in range(per_node)])
     if comm.rank == 0:
         logger.info("GIFT: two hops over %d nodes of %d ranks", ranks // per_node, per_node)
-    return TwoHop(comm, TorchCommunicator(node), TorchCommunicator(cross))
+    return TwoHop(comm, TorchCommunicator(node, device), TorchCommunicator(cross, device))

@@ -202,3 +202,20 @@ def test_a_state_moves_between_a_ddp_job_and_a_fresh_one_of_the_same_model():
     _, _, state = make(**OPTIONS)
     other = GiftState(copy.deepcopy(Net()), **OPTIONS)
     assert other.config() == state.config()
+
+
+def test_reset_rank_state_restarts_the_residuals_and_training_goes_on():
+    """hvd.elastic's on_state_reset analogue: every rank calls it, the next steps run."""
+    model, opt, state = make(**OPTIONS)
+    train(model, opt, 2)
+    state.reset_rank_state()
+    assert not state.feedback.stage1
+    train(model, opt, 2, first=2)
+    assert_identical_on_all_ranks(list(model.parameters()), "parameters")
+
+
+def test_sparse_gradients_are_refused_by_name():
+    model = Net()
+    model.embed = torch.nn.Embedding(64, 32, sparse=True)
+    with pytest.raises(ValueError, match="embed.weight has sparse gradients"):
+        GiftState(DDP(model), **OPTIONS)

@@ -139,3 +139,26 @@ def test_a_configuration_that_differs_across_ranks_raises_on_every_rank():
     with pytest.raises(Exception, match="configuration differs across ranks in format"):
         loss_of(model, 0, rank).backward()
     assert gathered(True) == [True] * dist.get_world_size()
+
+
+def test_a_root_without_parameters_of_its_own_and_a_frozen_parameter():
+    """fully_shard on the blocks of an nn.Sequential (its root holds no parameter: FSDP gives it
+    no reduce-scatter), one block's bias frozen: GIFT's layout is the trained parameters'."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    model[2].bias.requires_grad_(False)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    state = attach(model, **OPTIONS)
+    assert len(state.modules) == 2
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(3):
+        opt.zero_grad()
+        x = torch.randn(16, 32, generator=g)
+        model(x).square().mean().backward()
+        opt.step()
+    assert state.step == 3 and state.stats()["bits_per_element"] < 8
+    assert_identical_on_all_ranks([full(p) for p in model.parameters()], "parameters")
