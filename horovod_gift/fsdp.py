@@ -28,10 +28,13 @@ torch.distributed matches collectives by call order: FSDP calls the reduce-scatt
 in backward order, the same on every rank, and GIFT adds collectives only at a step's first
 reduce-scatter (the configuration check at the first step, the statistics' refresh).
 """
+import time
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.profiler import record_function
 
 from .fsdp_layout import GroupLayout, FsdpGiftState
 from .torch_frontend import REDUCE_SCATTER
@@ -55,13 +58,18 @@ class GiftReduceScatter(ReduceScatter):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        layout = self.state.begin(self.module, input_tensor, group)
-        if layout is None:      # not every parameter of the group has a gradient this step
-            return REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group,
-                                  async_op=async_op)
-        divisor = _divisor(op, dist.get_world_size(group))
-        self.state.reduce_scatter(layout, output_tensor, input_tensor, divisor)
-        return None
+        t0 = time.perf_counter()
+        try:
+            with record_function("horovod_gift.reduce_scatter"):
+                layout = self.state.begin(self.module, input_tensor, group)
+                if layout is None:      # a trained parameter of the group has no gradient
+                    return REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group,
+                                          async_op=async_op)
+                divisor = _divisor(op, dist.get_world_size(group))
+                self.state.reduce_scatter(layout, output_tensor, input_tensor, divisor)
+                return None
+        finally:
+            self.state.telemetry.add(seconds_in_gift=time.perf_counter() - t0)
 
 
 def _divisor(op, ranks):

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from .codec import Codec, TensorPieces
-from .collective import mix_seed, name_key
+from .collective import mix_seed, name_key, timed_wait
 from .config import RESIDUAL_DTYPES, check_codec
 from .feedback import FINITE_AMAX
 from .linear_layers import linear_readers
@@ -149,7 +149,8 @@ class FsdpGiftState:
             self._verify = False
         if self.statistics.due(self.step):
             for name, old in self.statistics.refresh().items():
-                self._convert_residuals(name, old)
+                if name not in self.unwhitened:
+                    self._convert_residuals(name, old)
         self.statistics.advance()
         if self.step == 0 and self.verbose and self.comm.rank == 0:
             logger.info("GIFT (FSDP) %s, transform=%s: %d weights whitened", self.codec.format,
@@ -199,7 +200,7 @@ class FsdpGiftState:
             layout.columns(send_rows, i, 4 * layout.shards[i]).view(torch.float32).copy_(
                 layout.columns(rows, i))
         splits = torch.full((n,), layout.row_bytes, dtype=torch.int32, device="cpu")
-        received, _ = self.comm.alltoall_async(send, splits, "gift.fsdp").wait()
+        (received, _), seconds = timed_wait(self.comm.alltoall_async(send, splits, "gift.fsdp"))
         sources = torch.empty(n * layout.shard, dtype=torch.float32, device=device)
         if len(layout.pieces.starts):
             self.codec.decode_pieces(received, layout.pieces, sources)
@@ -215,7 +216,7 @@ class FsdpGiftState:
         output.copy_(mine)
         coded = send.numel() - 4 * sum(m for m, s in zip(layout.shards, layout.small) if s) * n
         self.telemetry.add(elements=buffer.numel(), payload_bytes=coded,
-                           bytes_sent=send.numel() - layout.row_bytes)
+                           bytes_sent=send.numel() - layout.row_bytes, wait_seconds=seconds)
 
     def _residual(self, layout, device):
         if not self.error_feedback:

@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 import horovod.torch as hvd
 import horovod_gift
+from outcomes import share_outcome
 
 COMM = MPI.COMM_WORLD
 
@@ -35,18 +36,7 @@ def pytest_configure(config):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
-    report = outcome.get_result()
-    if report.when != "call":
-        return
-    mine = (report.failed, str(report.longrepr) if report.failed else "")
-    everyone = COMM.allgather(mine)
-    failures = [(rank, text) for rank, (failed, text) in enumerate(everyone) if failed]
-    if failures and not report.failed:
-        report.outcome = "failed"
-    if failures:
-        report.longrepr = "\n".join(
-            f"--- rank {rank} of {COMM.size} failed:\n{text}" for rank, text in failures
-        )
+    share_outcome(outcome.get_result(), COMM.allgather)
 
 
 @pytest.fixture

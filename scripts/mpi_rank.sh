@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One MPI rank of a test suite: rank 0 prints to the terminal, every rank keeps a log, and a
-# failing rank other than 0 prints its own log so its message reaches the output.
+# One rank of a test suite under mpirun or torchrun: rank 0 prints to the terminal, every rank
+# keeps a log, and a failing rank other than 0 prints its own log so its message reaches the
+# output.
 # Usage: scripts/mpi_rank.sh LOG_PREFIX COMMAND...
 prefix=$1; shift
-rank=${OMPI_COMM_WORLD_RANK:-0}
+rank=${OMPI_COMM_WORLD_RANK:-${RANK:-0}}
 log="$prefix-rank$rank.log"
 if [ "$rank" = 0 ]; then
   "$@" 2>&1 | tee "$log"

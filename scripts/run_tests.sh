@@ -23,20 +23,36 @@ if [ "$which" = all ] || [ "$which" = unit ]; then
   [ $rc -eq 0 ] || failed+=("tests/ (pytest exit $rc)")
 fi
 
-# run_mpi NP PYTEST_ARGS...: one mpi suite; a suite that hangs is killed and its ranks' logs shown.
-run_mpi() {
-  local np=$1; shift
-  rm -f .build/mpi_tests-np$np-rank*.log
-  timeout --kill-after=30 "$MPI_SUITE_TIMEOUT" \
-    bash scripts/mpirun.sh "$np" bash scripts/mpi_rank.sh ".build/mpi_tests-np$np" "$PY" -m pytest "$@" -q --timeout "$MPI_TEST_TIMEOUT"
+# run_suite NAME LOG_PREFIX COMMAND...: one multi-process suite; a suite that hangs is killed and
+# its ranks' logs (LOG_PREFIX-rank*.log, written by scripts/mpi_rank.sh) shown.
+run_suite() {
+  local name=$1 prefix=$2; shift 2
+  rm -f "$prefix"-rank*.log
+  timeout --kill-after=30 "$MPI_SUITE_TIMEOUT" "$@"
   local rc=$?
   if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
-    echo "HUNG: mpi_tests/ under mpirun -np $np did not finish within ${MPI_SUITE_TIMEOUT}s and was killed."
-    for f in .build/mpi_tests-np$np-rank*.log; do echo "--- last lines of $f"; tail -n 5 "$f"; done
-    failed+=("mpi_tests np=$np (hung)")
+    echo "HUNG: $name did not finish within ${MPI_SUITE_TIMEOUT}s and was killed."
+    for f in "$prefix"-rank*.log; do echo "--- last lines of $f"; tail -n 5 "$f"; done
+    failed+=("$name (hung)")
   elif [ $rc -ne 0 ]; then
-    failed+=("mpi_tests np=$np (exit $rc)")
+    failed+=("$name (exit $rc)")
   fi
+}
+
+# run_mpi NP PYTEST_ARGS...: mpi_tests/ (or some of it) under mpirun -np NP.
+run_mpi() {
+  local np=$1; shift
+  run_suite "mpi_tests np=$np" ".build/mpi_tests-np$np" bash scripts/mpirun.sh "$np" \
+    bash scripts/mpi_rank.sh ".build/mpi_tests-np$np" "$PY" -m pytest "$@" -q --timeout "$MPI_TEST_TIMEOUT"
+}
+
+# run_torchrun NP: torchrun_tests/ under torchrun on NP ranks (gloo on the CPU, no Horovod).
+run_torchrun() {
+  local np=$1
+  run_suite "torchrun_tests np=$np" ".build/torchrun_tests-np$np" \
+    .venv/bin/torchrun --standalone --nproc-per-node "$np" --no-python \
+    bash scripts/mpi_rank.sh ".build/torchrun_tests-np$np" "$PY" -m pytest torchrun_tests -q \
+    --timeout "$MPI_TEST_TIMEOUT"
 }
 
 if [ "$which" = all ] || [ "$which" = mpi ]; then
@@ -58,26 +74,6 @@ if [ "$which" = all ] || [ "$which" = mpi ]; then
     mpi_tests/test_gift.py::test_horovod_options_keep_ranks_identical \
     mpi_tests/test_gift.py::test_checkpoint_resume_is_bit_identical
 fi
-
-# run_torchrun NP: torchrun_tests/ on NP ranks (gloo on the CPU, no Horovod); a suite that hangs is
-# killed and its ranks' logs shown.
-run_torchrun() {
-  local np=$1
-  rm -f .build/torchrun_tests-np$np-rank*.log
-  (cd torchrun_tests && timeout --kill-after=30 "$MPI_SUITE_TIMEOUT" \
-    ../.venv/bin/torchrun --standalone --nproc-per-node "$np" --no-python \
-    bash ../scripts/torch_rank.sh "../.build/torchrun_tests-np$np" \
-    ../"$PY" -m pytest . -q --timeout "$MPI_TEST_TIMEOUT" 2>&1 \
-    | { grep -v '^W[0-9]\{4\} \|^\*\*\*\*' || true; })   # torchrun's own banner
-  local rc=$?     # pipefail: torchrun's (or timeout's) status
-  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
-    echo "HUNG: torchrun_tests/ on $np ranks did not finish within ${MPI_SUITE_TIMEOUT}s."
-    for f in .build/torchrun_tests-np$np-rank*.log; do echo "--- last lines of $f"; tail -n 5 "$f"; done
-    failed+=("torchrun_tests np=$np (hung)")
-  elif [ $rc -ne 0 ]; then
-    failed+=("torchrun_tests np=$np (exit $rc)")
-  fi
-}
 
 if [ "$which" = all ] || [ "$which" = torch ]; then
   for np in 2 4; do

@@ -6,12 +6,17 @@ fails on all of them with that rank's message, and no rank runs ahead into the n
 collectives. Horovod is made unimportable: the DDP and FSDP frontends must work on a torch-only
 install."""
 import datetime
+import pathlib
 import sys
 
 sys.modules["horovod"] = sys.modules["horovod.torch"] = None   # before horovod_gift is imported
+# mpi_tests/outcomes.py, shared with the mpirun suites: after this directory, whose helpers.py
+# must win over theirs
+sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent / "mpi_tests"))
 
-import pytest
-import torch.distributed as dist
+import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from outcomes import share_outcome  # noqa: E402
 
 OUTCOMES = []       # the group the outcomes travel on, made once the default group is up
 
@@ -29,15 +34,11 @@ def pytest_unconfigure(config):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
-    report = outcome.get_result()
-    if report.when != "call":
-        return
-    mine = (report.failed, str(report.longrepr) if report.failed else "")
+    share_outcome(outcome.get_result(), allgather)
+
+
+def allgather(value):
+    """Every rank's picklable value, in rank order, over the outcomes' own group."""
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine, group=OUTCOMES[0])
-    failures = [(rank, text) for rank, (failed, text) in enumerate(everyone) if failed]
-    if failures and not report.failed:
-        report.outcome = "failed"
-    if failures:
-        report.longrepr = "\n".join(
-            f"--- rank {rank} of {len(everyone)} failed:\n{text}" for rank, text in failures)
+    dist.all_gather_object(everyone, value, group=OUTCOMES[0])
+    return everyone

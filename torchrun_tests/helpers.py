@@ -1,27 +1,10 @@
-"""Cross-rank checks over the outcomes' own gloo group (conftest.py), and a small model."""
-import hashlib
-
+"""Cross-rank checks over the outcomes' own gloo group (conftest.py), a small model, its data
+and a training loop."""
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from conftest import OUTCOMES
-
-
-def digest(tensors):
-    """SHA-256 of the exact bytes of a sequence of tensors (dtype and shape included)."""
-    h = hashlib.sha256()
-    for t in tensors:
-        t = t.detach().contiguous().cpu()
-        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def gathered(value):
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, value, group=OUTCOMES[0])
-    return everyone
+from conftest import allgather as gathered
+from outcomes import digest
 
 
 def assert_identical_on_all_ranks(tensors, what="tensors"):
@@ -58,3 +41,18 @@ def loss_of(model, step, rank):
     inputs, targets = batch(step, rank)
     logits = model(inputs)
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def train(model, opt, steps, first=0, each_step=None):
+    """steps optimizer steps from step `first`; each_step(step) runs after each backward.
+    Returns the losses."""
+    rank, losses = torch.distributed.get_rank(), []
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        loss = loss_of(model, step, rank)
+        loss.backward()
+        if each_step is not None:
+            each_step(step)
+        opt.step()
+        losses.append(loss.item())
+    return losses

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from helpers import Net, assert_identical_on_all_ranks, gathered, loss_of
+from helpers import Net, assert_identical_on_all_ranks, gathered, loss_of, train
 from horovod_gift.fsdp import attach
 
 OPTIONS = dict(format="nvfp4", refresh_every=2, verbose=False)
@@ -28,17 +28,6 @@ def make(seed=0, **options):
 
 def full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def train(model, opt, steps, first=0):
-    rank, losses = dist.get_rank(), []
-    for step in range(first, first + steps):
-        opt.zero_grad()
-        loss = loss_of(model, step, rank)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
 
 
 def test_training_follows_fsdp_fp32_and_the_full_parameters_are_identical_on_every_rank():
@@ -162,3 +151,12 @@ def test_a_root_without_parameters_of_its_own_and_a_frozen_parameter():
         opt.step()
     assert state.step == 3 and state.stats()["bits_per_element"] < 8
     assert_identical_on_all_ranks([full(p) for p in model.parameters()], "parameters")
+
+
+def test_stats_split_the_seconds_into_codec_and_waiting():
+    model, opt, state = make(**OPTIONS)
+    train(model, opt, 2)
+    stats = state.stats()
+    assert stats["seconds_in_gift"] > 0 and stats["wait_seconds"] > 0
+    assert 0 <= stats["codec_seconds"] < stats["seconds_in_gift"]
+    assert stats["residual_bytes"] > 0
