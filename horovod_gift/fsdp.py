@@ -7,6 +7,12 @@ the shard's owner, and only the owner keeps the result.
     fully_shard(model)
     state = attach(model, format="nvfp4")   # module.set_custom_reduce_scatter(GiftReduceScatter)
 
+Across nodes (fsdp_hops.py): under 1-D FSDP, topology="auto" reduce-scatters in fp32 inside each
+node and quantizes only the hop across nodes, when LOCAL_WORLD_SIZE (or node_size=) makes several
+nodes of several ranks; under HSDP (fully_shard(..., mesh=init_device_mesh(device,
+(nodes, ranks_a_node), mesh_dim_names=("replicate", "shard")))) FSDP's reduce-scatter stays in
+the node and GIFT quantizes the all-reduce across replicas, which FSDP would send in fp32.
+
 FSDP2 lays a parameter group's gradients out as one buffer of `ranks` rows, row k holding every
 parameter's k-th dim-0 shard (padded), and reduce-scatters it. GiftReduceScatter does that in one
 alltoall of bytes: every rank encodes each piece (a parameter's part of a row) with its own
@@ -36,8 +42,12 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.profiler import record_function
 
+from .fsdp_hops import Hsdp, OneHop, TwoHops
+from .fsdp_internals import (hsdp_groups, param_group, reduce_across_replicas_in_gift,
+                             shard_group)
 from .fsdp_layout import GroupLayout, FsdpGiftState
-from .torch_frontend import REDUCE_SCATTER
+from .topology import TwoHop
+from .torch_frontend import REDUCE_SCATTER, TorchCommunicator, torch_topology
 
 __all__ = ["attach", "GiftReduceScatter", "FsdpGiftState", "GroupLayout"]
 
@@ -51,7 +61,7 @@ class GiftReduceScatter(ReduceScatter):
             raise TypeError(f"GiftReduceScatter: {type(module).__name__} is not a fully_shard "
                             "module; call fully_shard(module) first")
         self.state, self.module = state, module
-        if module._get_fsdp_state()._fsdp_param_groups:   # else FSDP never reduce-scatters it
+        if param_group(module) is not None:   # else FSDP never reduce-scatters it
             state.modules.append(module)
 
     def allocate(self, size, *, dtype, device):
@@ -63,13 +73,21 @@ class GiftReduceScatter(ReduceScatter):
             with record_function("horovod_gift.reduce_scatter"):
                 layout = self.state.begin(self.module, input_tensor, group)
                 if layout is None:      # a trained parameter of the group has no gradient
-                    return REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group,
-                                          async_op=async_op)
-                divisor = _divisor(op, dist.get_world_size(group))
+                    return self._fp32(output_tensor, input_tensor, group, op, async_op)
+                divisor = _divisor(op, self.state.comm.size)
                 self.state.reduce_scatter(layout, output_tensor, input_tensor, divisor)
                 return None
         finally:
             self.state.telemetry.add(seconds_in_gift=time.perf_counter() - t0)
+
+    def _fp32(self, output, buffer, group, op, async_op):
+        """FSDP's own reduction in fp32: its reduce-scatter, and under HSDP the all-reduce
+        across replicas that GIFT took from FSDP."""
+        if not isinstance(self.state.hops, Hsdp):
+            return REDUCE_SCATTER(output, buffer, op=op, group=group, async_op=async_op)
+        REDUCE_SCATTER(output, buffer, op=op, group=group)
+        return dist.all_reduce(output, op=op, group=self.state.hops.cross.group,
+                               async_op=async_op)
 
 
 def _divisor(op, ranks):
@@ -83,14 +101,59 @@ def _divisor(op, ranks):
 
 def attach(model, **options):
     """Make an FsdpGiftState for model (options: its arguments) and set a GiftReduceScatter on
-    every fully_shard module in it; returns the state (for state_dict() and stats())."""
+    every fully_shard module in it; returns the state (for state_dict() and stats()). Collective:
+    call it on every rank, after fully_shard and before the first backward."""
     state = FsdpGiftState(model, **options)
     # a fully_shard module without parameters of its own has no reduce-scatter
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)
-               and m._get_fsdp_state()._fsdp_param_groups]
+               and param_group(m) is not None]
     if not modules:
         raise ValueError("attach: the model has no fully_shard module; call fully_shard on its "
                          "layers and on the model first")
+    state.use(_hops([param_group(m) for m in modules], state, _device(model)))
     for module in modules:
         module.set_custom_reduce_scatter(GiftReduceScatter(state, module))
     return state
+
+
+def _device(model):
+    return next(model.parameters()).device
+
+
+def _hops(groups, state, device):
+    """The fsdp_hops topology of the model's parameter groups (all on one mesh)."""
+    meshes = {(hsdp_groups(g) or (shard_group(g),)) for g in groups}
+    if len(meshes) > 1:
+        raise ValueError("attach: the fully_shard modules of this model lie on different meshes; "
+                         "GIFT takes one data-parallel mesh for the whole model")
+    (groups_of_mesh,) = meshes
+    if len(groups_of_mesh) == 2:
+        return _hsdp_hops(groups, state, device, *groups_of_mesh)
+    group = groups_of_mesh[0]
+    world = dist.get_world_size()
+    spans_world = dist.get_process_group_ranks(group) == list(range(world))
+    if state.topology == "two-hop" and not spans_world:
+        raise ValueError("GIFT (FSDP): topology='two-hop' needs the FSDP mesh to hold every rank "
+                         "of the default process group, in order; use topology='flat'")
+    kind = state.topology if spans_world else "flat"
+    topology = torch_topology(kind, state.node_size, None if spans_world else group, device)
+    if isinstance(topology, TwoHop):
+        return TwoHops(topology.comm, topology.node, topology.cross)
+    return OneHop(TorchCommunicator(group, device))
+
+
+def _hsdp_hops(groups, state, device, shard, replicate):
+    if state.topology == "flat":
+        raise ValueError("GIFT (FSDP): topology='flat' does not apply under HSDP: its mesh "
+                         "makes the nodes (reduce-scatter inside, all-reduce across replicas)")
+    if shard.size() == 1:
+        raise ValueError("GIFT (FSDP): HSDP with one rank a shard group is DDP (FSDP then calls "
+                         "no reduce-scatter); use horovod_gift.ddp's gift_hook")
+    if shard.size() * replicate.size() != dist.get_world_size():
+        raise ValueError("GIFT (FSDP): the HSDP mesh must hold every rank of the default "
+                         f"process group ({shard.size()} x {replicate.size()} != "
+                         f"{dist.get_world_size()})")
+    for group in groups:
+        reduce_across_replicas_in_gift(group)
+    return Hsdp(TorchCommunicator(None, device), TorchCommunicator(shard, device),
+                TorchCommunicator(replicate, device))

@@ -1,6 +1,7 @@
 """The state and the reduce-scatter of GIFT under FSDP2 (fsdp.py is the frontend and says how it
 works): where each parameter lies in a group's buffers (GroupLayout), and FsdpGiftState, which
-holds the codec, the whitening statistics, the residuals and the step count of one model."""
+holds the codec, the whitening statistics, the residuals and the step count of one model, and
+quantizes rows; fsdp_hops.py lays the reduction over nodes."""
 import hashlib
 
 import numpy as np
@@ -10,18 +11,20 @@ from .codec import Codec, TensorPieces
 from .collective import mix_seed, name_key, timed_wait
 from .config import RESIDUAL_DTYPES, check_codec
 from .feedback import FINITE_AMAX
+from .fsdp_hops import TOPOLOGIES
+from .fsdp_internals import param_group, trained_fsdp_params
 from .linear_layers import linear_readers
 from .statistics import WhiteningStatistics
 from .telemetry import Telemetry, logger
-from .torch_frontend import TorchCommunicator
 
 FSDP_TRANSFORMS = ("whiten", "none")
 
 
 class GroupLayout:
-    """An FSDP group's reduce-scatter buffer: `ranks` rows of `shard` elements, row k holding
-    every parameter's k-th shard (shards[i] elements at offsets[i]); the bytes GIFT sends for
-    it: rows of row_bytes, parameter i's piece at byte_offsets[i] (codec payloads, or fp32 for
+    """An FSDP group's rows that one rank quantizes (`ranks` of them: all of FSDP's buffer in one
+    hop, 1/L of it in two, fsdp_hops.py), each of `shard` elements, row k holding every
+    parameter's k-th shard (shards[i] elements at offsets[i]); the bytes GIFT sends for them:
+    rows of row_bytes, parameter i's piece at byte_offsets[i] (codec payloads, or fp32 for
     the small ones, each rounded up to 4 bytes). pieces: the codec pieces of every row, for
     Codec.encode_pieces over the buffer and decode_pieces of the received rows (the same
     positions: row k of both comes from, or goes to, rank k)."""
@@ -54,18 +57,27 @@ class GroupLayout:
 
 class FsdpGiftState:
     """GIFT's state for one model under FSDP2; every option is core.GiftCore's (its docstring
-    has the advice), less the ones FSDP has no use for (buckets, topology, stage 2).
+    has the advice), less the ones FSDP has no use for (buckets).
 
     transform: "whiten" (default) or "none". error_feedback: see fsdp.py and
     benchmarks/results/fsdp_feedback.md. nonfinite: "nan" only (a shard's sum is seen by its
-    owner alone, so no rank could raise for all of them).
+    owner alone, so no rank could raise for all of them). topology: "auto" (two hops under 1-D
+    FSDP when LOCAL_WORLD_SIZE, or node_size, makes several nodes of several ranks), "flat" or
+    "two-hop"; under HSDP the mesh gives the nodes (fsdp_hops.py). attach() sets `hops`.
     """
 
     def __init__(self, model, format="nvfp4", transform="whiten", error_feedback=True,
                  residual_dtype=torch.bfloat16, block_size=None, rounding="nearest", seed=0,
                  min_elements=1024, whitening_rank=32, damping=1.0, refresh_every=4,
-                 stat_window=5, nonfinite="nan", log_every=0, verbose=True):
+                 stat_window=5, nonfinite="nan", topology="auto", node_size=None, log_every=0,
+                 verbose=True):
         check_codec(format, block_size, rounding, where="GIFT (FSDP)")
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"GIFT (FSDP): topology must be one of {TOPOLOGIES}, got "
+                             f"{topology!r}")
+        if node_size is not None and (not isinstance(node_size, int) or node_size < 1):
+            raise ValueError(f"GIFT (FSDP): node_size must be a positive int or None, got "
+                             f"{node_size!r}")
         if nonfinite != "nan":
             raise ValueError(f"GIFT (FSDP): nonfinite must be 'nan', got {nonfinite!r}: each "
                              "shard's sum is seen by its owner alone, so no rank can raise for "
@@ -81,6 +93,7 @@ class FsdpGiftState:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GIFT (FSDP): {what} must be a positive int, got {value!r}")
         self.codec = Codec(format, block_size, rounding, seed)
+        self.topology, self.node_size = topology, node_size
         self.transform, self.error_feedback = transform, error_feedback
         self.residual_dtype, self.min_elements, self.verbose = residual_dtype, min_elements, verbose
         self.params = dict(model.named_parameters())
@@ -95,7 +108,8 @@ class FsdpGiftState:
         self.modules = []       # the fully_shard modules whose reduce-scatter is GIFT's
         self.layouts, self.residuals = {}, {}   # module id -> GroupLayout; layout key -> r1
         self.unwhitened = set()  # whitenable weights FSDP shards on another dim than rows
-        self.comm, self.step, self._task, self._verify = None, 0, None, True
+        self.hops = self.comm = None     # set by attach (fsdp_hops.py)
+        self.step, self._task, self._verify = 0, None, True
         self.device = None       # the gradients' (from the first reduce-scatter)
         self._pending_rank_state = None
         self._bounds = []        # this step's bounds on the encodes' magnitudes (scrub)
@@ -103,20 +117,23 @@ class FsdpGiftState:
         self.telemetry = Telemetry(log_every)
 
     # ---------------------------------------------------------------- layout and step
+    def use(self, hops):
+        """Reduce through hops (fsdp_hops.py): its comm holds every rank."""
+        self.hops, self.comm = hops, hops.comm
+        self.statistics.comm = hops.comm
+
     def begin(self, module, buffer, group):
         """At each reduce-scatter: the step's start at a backward's first (_begin_step); the
         GroupLayout of module's parameter group, or None when this buffer is not all of it
         (a trained parameter without a gradient this step: FSDP leaves it out)."""
         if self.device is None:
             self.device = buffer.device
-            if self.comm is None:
-                self.comm = self.statistics.comm = TorchCommunicator(group, self.device)
         if not self.layouts:    # every group's, before a refresh re-expresses their residuals
             for known in self.modules:
                 self.layouts[id(known)] = self._layout(known, group.size())
         self._begin_step()
         layout = self.layouts[id(module)]
-        if layout.ranks * layout.shard == buffer.numel():
+        if group.size() * layout.shard == buffer.numel():
             return layout
         if layout.key not in self._partial and self.comm.rank == 0:
             logger.warning("GIFT (FSDP): a parameter of %s had no gradient: the group is "
@@ -124,16 +141,16 @@ class FsdpGiftState:
         self._partial.add(layout.key)
         return None
 
-    def _layout(self, module, ranks):
-        """Its parameter group's GroupLayout: the parameters that train, in FSDP's order."""
-        (param_group,) = module._get_fsdp_state()._fsdp_param_groups
-        fsdp_params = [fp for fp in param_group.fsdp_params if fp.sharded_param.requires_grad]
-        names = [self.name_of[id(fp.sharded_param)] for fp in fsdp_params]
-        self.unwhitened.update(name for fp, name in zip(fsdp_params, names)
-                               if fp.fsdp_placement.dim != 0)   # rows not sharded whole
-        shards = [fp.padded_sharded_param_size.numel() for fp in fsdp_params]
+    def _layout(self, module, rows):
+        """Its parameter group's GroupLayout (rows: FSDP's buffer's): the parameters that
+        train, in FSDP's order."""
+        fsdp_params = trained_fsdp_params(param_group(module))
+        names = [self.name_of[id(param)] for param, _, _ in fsdp_params]
+        self.unwhitened.update(name for (_, dim, _), name in zip(fsdp_params, names)
+                               if dim != 0)   # rows not sharded whole
+        shards = [shard for _, _, shard in fsdp_params]
         small = [self.params[n].numel() < self.min_elements for n in names]
-        return GroupLayout(names, shards, small, ranks, self.codec)
+        return GroupLayout(names, shards, small, self.hops.quantized_rows(rows), self.codec)
 
     def _begin_step(self):
         """At a backward's first reduce-scatter: the rank check (first step), the statistics'
@@ -148,13 +165,15 @@ class FsdpGiftState:
             self._check_ranks_agree()
             self._verify = False
         if self.statistics.due(self.step):
+            self.hops.fold_second_stage(self)
             for name, old in self.statistics.refresh().items():
                 if name not in self.unwhitened:
                     self._convert_residuals(name, old)
         self.statistics.advance()
         if self.step == 0 and self.verbose and self.comm.rank == 0:
-            logger.info("GIFT (FSDP) %s, transform=%s: %d weights whitened", self.codec.format,
-                        self.transform, len(self.statistics.whitening))
+            logger.info("GIFT (FSDP) %s, transform=%s, %s: %d weights whitened",
+                        self.codec.format, self.transform, self.hops.describe(),
+                        len(self.statistics.whitening))
         if task != -1:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_step)
         else:
@@ -165,7 +184,7 @@ class FsdpGiftState:
         to zero (one verdict for the whole step: one host sync), and the step counted."""
         bounds, self._bounds = self._bounds, []
         if bounds and not bool((torch.cat(bounds) < FINITE_AMAX).all()):
-            for residual in self.residuals.values():
+            for residual in list(self.residuals.values()) + self.hops.second_stage_residuals():
                 residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         self.step += 1
         self._task = None
@@ -178,29 +197,47 @@ class FsdpGiftState:
     # ---------------------------------------------------------------- the reduce-scatter
     def reduce_scatter(self, layout, output, buffer, divisor):
         """output <- this rank's row of the sum (divided by divisor) of every rank's buffer."""
-        n, device = layout.ranks, buffer.device
         work = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
-        rows = work.view(n, layout.shard)
-        for i, whitening in self._whitened(layout):     # every row, whole rows of the weight
+        output.copy_(self.hops.reduce(self, layout, work.view(-1, layout.shard), divisor))
+
+    def whiten(self, layout, rows):
+        """Whitening of every row's linear weights, in place (whole rows of each weight)."""
+        for i, whitening in self._whitened(layout):
             part = layout.columns(rows, i)
-            x = part.reshape(-1, whitening.in_features)
-            part.copy_(whitening.forward(x, out=x).view(part.shape))
+            x = part.reshape(-1, whitening.in_features)   # a copy unless rows is one row
+            y = whitening.forward(x, out=x)
+            if y.data_ptr() != part.data_ptr():
+                part.copy_(y.view(part.shape))
+
+    def unwhiten(self, layout, mine):
+        """The inverse of whiten on this rank's reduced row, in place; returns it."""
+        for i, whitening in self._whitened(layout):
+            part = mine[layout.offsets[i]:layout.offsets[i] + layout.shards[i]]
+            x = part.view(-1, whitening.in_features)
+            whitening.inverse(x, out=x)
+        return mine
+
+    def quantized_reduce_scatter(self, layout, rows, comm, divisor):
+        """Row k of rows (layout.ranks of them, fp32) quantized to comm's rank k, which sums the
+        decoded rows in fp32, in rank order: this rank's row of the sum, divided by divisor."""
+        n, device = layout.ranks, rows.device
         send = torch.empty(n * layout.row_bytes, dtype=torch.uint8, device=device)
         send_rows = send.view(n, layout.row_bytes)
-        residual = self._residual(layout, device)
+        residual = self.residual(layout, device)
         # a bf16 residual through an fp32 copy: the codec's one-call paths take fp32 ones (else
         # a call per piece: ranks x parameters of them)
         wide = None if residual is None else residual.to(torch.float32)
         seed = mix_seed(self.codec.seed, self.step, self.comm.rank, layout.key)
         if len(layout.pieces.starts):
-            self._bounds += self.codec.encode_pieces(work, wide, layout.pieces, send, seed)
+            self._bounds += self.codec.encode_pieces(rows.view(-1), wide, layout.pieces, send,
+                                                     seed)
         if residual is not None and wide is not residual:
             residual.copy_(wide)
         for i in np.flatnonzero(layout.small).tolist():
             layout.columns(send_rows, i, 4 * layout.shards[i]).view(torch.float32).copy_(
                 layout.columns(rows, i))
         splits = torch.full((n,), layout.row_bytes, dtype=torch.int32, device="cpu")
-        (received, _), seconds = timed_wait(self.comm.alltoall_async(send, splits, "gift.fsdp"))
+        (received, _), seconds = timed_wait(comm.alltoall_async(send, splits, "gift.fsdp"))
         sources = torch.empty(n * layout.shard, dtype=torch.float32, device=device)
         if len(layout.pieces.starts):
             self.codec.decode_pieces(received, layout.pieces, sources)
@@ -208,17 +245,16 @@ class FsdpGiftState:
         for i in np.flatnonzero(layout.small).tolist():
             layout.columns(source_rows, i).copy_(
                 layout.columns(received_rows, i, 4 * layout.shards[i]).view(torch.float32))
-        mine = source_rows.sum(0).div_(divisor)
-        for i, whitening in self._whitened(layout):
-            part = mine[layout.offsets[i]:layout.offsets[i] + layout.shards[i]]
-            x = part.view(-1, whitening.in_features)
-            whitening.inverse(x, out=x)
-        output.copy_(mine)
         coded = send.numel() - 4 * sum(m for m, s in zip(layout.shards, layout.small) if s) * n
-        self.telemetry.add(elements=buffer.numel(), payload_bytes=coded,
+        self.telemetry.add(elements=rows.numel(), payload_bytes=coded,
                            bytes_sent=send.numel() - layout.row_bytes, wait_seconds=seconds)
+        return source_rows.sum(0).div_(divisor)
 
-    def _residual(self, layout, device):
+    def add_bounds(self, bounds):
+        """Bounds on the magnitudes of this step's encodes with a residual (_end_step's scrub)."""
+        self._bounds += bounds
+
+    def residual(self, layout, device):
         if not self.error_feedback:
             return None
         if layout.key not in self.residuals:
@@ -249,7 +285,8 @@ class FsdpGiftState:
                     model=hashlib.sha256(repr(shapes).encode()).hexdigest()[:16])
 
     def _check_ranks_agree(self):
-        configs = self.comm.allgather_object(dict(self.config(), step=self.step), "gift.config")
+        configs = self.comm.allgather_object(
+            dict(self.config(), step=self.step, topology=self.hops.description), "gift.config")
         diff = sorted({k for c in configs for k in c if c.get(k) != configs[0].get(k)})
         if diff:
             raise ValueError("GIFT configuration differs across ranks in " + ", ".join(diff)
@@ -263,8 +300,10 @@ class FsdpGiftState:
         rank_state = self._pending_rank_state    # loaded, not applied yet
         if rank_state is None and self.comm is not None:
             rank_state = {"rank": self.comm.rank, "ranks": self.comm.size,
+                          "topology": self.hops.description,
                           "residuals": {k: r.to("cpu", copy=True)
                                         for k, r in self.residuals.items()},
+                          "second_stage": self.hops.rank_state(),
                           "statistics": self.statistics.local_state_dict()}
         return {"step": self.step, "config": self.config(),
                 "statistics": self.statistics.state_dict(), "rank_state": rank_state}
@@ -280,19 +319,23 @@ class FsdpGiftState:
 
     def _load_rank_state(self, saved):
         self._pending_rank_state = None
-        if saved.get("rank") != self.comm.rank or saved.get("ranks") != self.comm.size:
+        here = (self.comm.rank, self.comm.size, self.hops.description)
+        if (saved.get("rank"), saved.get("ranks"), saved.get("topology", ("flat",))) != here:
             if self.comm.rank == 0:
                 logger.warning("GIFT (FSDP).load_state_dict: no residuals of this rank in this "
-                               "job size; they restart at zero")
+                               "job size and topology; they restart at zero")
             self.residuals = {}
+            self.hops.load_rank_state({}, self.device)
             self.statistics.load_local_state_dict({})
             return
         self.residuals = {k: r.to(self.device, self.residual_dtype)
                           for k, r in saved["residuals"].items()}
+        self.hops.load_rank_state(saved.get("second_stage", {}), self.device)
         self.statistics.load_local_state_dict(saved["statistics"])
 
     def stats(self):
-        """GIFT's counters (core.GiftCore.stats), and residual_bytes: what this rank's
-        error-feedback residuals hold."""
-        return dict(self.telemetry.stats(self.step, {}), residual_bytes=sum(
-            r.numel() * r.element_size() for r in self.residuals.values()))
+        """GIFT's counters (core.GiftCore.stats), the topology, and residual_bytes: what this
+        rank's error-feedback residuals (both stages) hold."""
+        residuals = list(self.residuals.values()) + self.hops.second_stage_residuals()
+        return dict(self.telemetry.stats(self.step, {}), topology=self.hops.describe(),
+                    residual_bytes=sum(r.numel() * r.element_size() for r in residuals))

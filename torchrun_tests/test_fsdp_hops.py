@@ -1,0 +1,186 @@
+"""GIFT under FSDP2 across nodes (fsdp_hops.py): HSDP on a (replicas, shard) mesh, and two hops
+under 1-D FSDP, on gloo under torchrun as 2 nodes: 4 ranks as 2 x 2, 8 as 2 x 4
+(scripts/run_tests.sh runs this file at 4 and 8 ranks)."""
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from helpers import Net, assert_identical_on_all_ranks, gathered, loss_of, train
+from horovod_gift import fsdp_internals
+from horovod_gift.fsdp import attach
+
+OPTIONS = dict(format="nvfp4", refresh_every=2, verbose=False)
+NODES = 2
+
+
+def per_node():
+    return dist.get_world_size() // NODES
+
+
+def make(kind, seed=0, **options):
+    """(a model fully_shard'ed as kind: "hsdp" on a (NODES, ranks a node) mesh, or "fsdp" 1-D
+    over every rank; its optimizer; its GIFT state or None without options)."""
+    torch.manual_seed(seed)
+    model = Net()
+    if kind == "hsdp":
+        mesh = init_device_mesh("cpu", (NODES, per_node()), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in (model.up, model.down, model.head):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if kind == "fsdp" and options:
+        options = dict(options, topology=options.get("topology", "two-hop"),
+                       node_size=options.get("node_size", per_node()))
+    state = attach(model, **options) if options else None
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), state
+
+
+def full(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def trained_elements(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("kind", ["hsdp", "fsdp"])
+def test_training_follows_fp32_and_every_rank_ends_with_the_same_parameters(kind):
+    model, opt, state = make(kind, **OPTIONS)
+    losses = train(model, opt, 12)
+    reference, ref_opt, _ = make(kind)
+    ref_losses = train(reference, ref_opt, 12)
+    assert losses[-1] < losses[0] - 0.1, losses
+    assert abs(losses[-1] - ref_losses[-1]) < 0.05, (losses, ref_losses)
+    assert_identical_on_all_ranks([full(p) for p in model.parameters()], "parameters")
+    stats = state.stats()
+    assert ("HSDP" if kind == "hsdp" else "two-hop") in stats["topology"], stats
+    assert state.statistics.whitening["up.weight"].factors is not None
+
+
+def test_hsdp_replicas_hold_bit_identical_shards():
+    model, opt, _ = make("hsdp", **OPTIONS)
+    train(model, opt, 5)
+    local = [p.to_local() for p in model.parameters()]
+    shard_index = dist.get_rank() % per_node()
+    digests = gathered((shard_index, [t.clone() for t in local]))
+    for index, tensors in digests:
+        if index == shard_index:
+            assert all(torch.equal(a, b) for a, b in zip(tensors, local))
+
+
+@pytest.mark.parametrize("kind", ["hsdp", "fsdp"])
+@pytest.mark.parametrize("transform", ["none", "whiten"])
+def test_the_reduced_shards_are_close_to_fp32_on_the_same_batch(kind, transform):
+    model, opt, _ = make(kind, **dict(OPTIONS, format="fp8_e4m3", transform=transform))
+    reference, ref_opt, _ = make(kind)
+    rank = dist.get_rank()
+    # one-hop FSDP's bound; HSDP quantizes twice (stage 1, and the owners' sum): sqrt(2) x
+    bound = 0.05 * (2 ** 0.5 if kind == "hsdp" else 1)
+    for step in range(3):        # whitening factors from step 2 on
+        for m, o in ((model, opt), (reference, ref_opt)):
+            o.zero_grad()
+            loss_of(m, step, rank).backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            mine, theirs = full(p.grad), full(q.grad)
+            error = (mine - theirs).norm() / theirs.norm()
+            assert error < bound, (step, name, float(error))
+            if step == 0 and p.numel() < 1024:      # small tensors travel in fp32
+                torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-7)
+        for o in (opt, ref_opt):
+            o.step()
+
+
+@pytest.mark.parametrize("kind", ["hsdp", "fsdp"])
+def test_residuals_cover_one_node_share_of_the_parameters(kind):
+    """bf16 residuals: 2 / L bytes a parameter for r1 (plus, under HSDP, 2 / (N L) for r2),
+    against 2 bytes a parameter in one hop."""
+    model, opt, state = make(kind, **OPTIONS)
+    train(model, opt, 2)
+    flat_model, flat_opt, flat_state = make("fsdp", **dict(OPTIONS, topology="flat"))
+    train(flat_model, flat_opt, 2)
+    params, local = trained_elements(model), per_node()
+    per_parameter = state.stats()["residual_bytes"] / params
+    bound = 2 / local * (1 + 1 / NODES if kind == "hsdp" else 1)
+    # FSDP pads each parameter's dim 0 to a multiple of its ranks: a few rows more
+    assert per_parameter <= bound * 1.15, (per_parameter, bound)
+    assert per_parameter >= bound * 0.9, (per_parameter, bound)
+    assert flat_state.stats()["residual_bytes"] / params >= 2 * 0.95
+
+
+@pytest.mark.parametrize("kind", ["hsdp", "fsdp"])
+def test_checkpoint_resume_at_a_refresh_step_is_bit_identical(kind):
+    model, opt, state = make(kind, **OPTIONS)
+    train(model, opt, 4)
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                "gift": state.state_dict()}, saved)
+    train(model, opt, 4, first=4)
+    resumed, resumed_opt, resumed_state = make(kind, seed=1, **OPTIONS)
+    saved.seek(0)
+    checkpoint = torch.load(saved, weights_only=False)
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt.load_state_dict(checkpoint["opt"])
+    resumed_state.load_state_dict(checkpoint["gift"])
+    train(resumed, resumed_opt, 4, first=4)
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p.to_local(), q.to_local())
+
+
+@pytest.mark.parametrize("kind", ["hsdp", "fsdp"])
+def test_a_non_finite_gradient_on_one_rank_comes_back_nan_then_training_goes_on(kind):
+    model, opt, state = make(kind, **OPTIONS)
+    train(model, opt, 2)
+    rank = dist.get_rank()
+    opt.zero_grad()
+    poison = None
+    if rank == dist.get_world_size() - 1:
+        poison = model.up.register_full_backward_pre_hook(
+            lambda module, grad: (grad[0].index_fill(-1, torch.tensor([0]), float("inf")),))
+    loss_of(model, 2, rank).backward()
+    assert not torch.isfinite(full(model.up.weight.grad)).all()
+    assert torch.isfinite(full(model.head.weight.grad)).all()
+    if poison is not None:
+        poison.remove()
+    opt.zero_grad()
+    loss_of(model, 3, rank).backward()
+    assert all(torch.isfinite(full(p.grad)).all() for p in model.parameters())
+
+
+def test_a_configuration_that_differs_across_ranks_raises_on_every_rank():
+    rank = dist.get_rank()
+    model, _, _ = make("hsdp", **dict(OPTIONS, format="nvfp4" if rank == 0 else "fp8_e4m3"))
+    with pytest.raises(Exception, match="configuration differs across ranks in format"):
+        loss_of(model, 0, rank).backward()
+    assert gathered(True) == [True] * dist.get_world_size()
+
+
+def test_combinations_gift_cannot_honour_are_refused_by_name():
+    with pytest.raises(ValueError, match="topology='flat' does not apply under HSDP"):
+        make("hsdp", **dict(OPTIONS, topology="flat"))
+    with pytest.raises(ValueError, match="topology must be one of"):
+        make("hsdp", **dict(OPTIONS, topology="ring"))
+    with pytest.raises(ValueError, match="node_size must be a positive int"):
+        make("hsdp", **dict(OPTIONS, node_size=0))
+    with pytest.raises(ValueError, match="two-hop' needs several nodes"):
+        make("fsdp", **dict(OPTIONS, node_size=dist.get_world_size()))
+
+
+def test_the_private_fsdp_attributes_gift_reads():
+    """fsdp_internals.py's list, read as GIFT reads it: fails when torch changes one."""
+    model, _, _ = make("hsdp")
+    group = fsdp_internals.param_group(model.up)
+    (weight, dim, shard), (bias, _, bias_shard) = fsdp_internals.trained_fsdp_params(group)
+    assert weight is model.up.weight and dim == 0 and bias is model.up.bias
+    assert shard == -(-model.up.weight.shape[0] // per_node()) * model.up.weight.shape[1]
+    shard_pg, replicate_pg = fsdp_internals.hsdp_groups(group)
+    assert (shard_pg.size(), replicate_pg.size()) == (per_node(), NODES)
+    assert fsdp_internals.shard_group(group) is shard_pg
+    fsdp_internals.reduce_across_replicas_in_gift(group)
+    assert fsdp_internals.hsdp_groups(group) == (shard_pg, replicate_pg)
+    assert fsdp_internals.shard_group(group) is shard_pg
+    assert not group._is_hsdp      # FSDP's foreach_reduce then skips its all-reduce
