@@ -90,7 +90,8 @@ def steady(run, key):
 def summarize(runs, seeds, config, args):
     """Per arm: lists over seeds of each metric (None where the target was not reached)."""
     timed = config not in args.step_time_only
-    target = (statistics.median(heldout_at(runs["hvd-fp32", s]["evals"], args.target_step)
+    baseline = getattr(args, "baseline", "hvd-fp32")     # whose held-out loss is the target
+    target = (statistics.median(heldout_at(runs[baseline, s]["evals"], args.target_step)
                                 for s in seeds) if timed else None)
     table = {}
     for arm in args.arms:

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import pathlib
+import resource
 import sys
 import time
 
@@ -43,7 +44,16 @@ NODE_ARMS = {"hvd-fp32-hier": ("none", {}), "gift-nvfp4-flat": ("gift-nvfp4", {"
 # arm -> its hook: PowerSGD's rank, "bf16" (DDP's bf16_compress_hook), "gift" (GIFT's), None
 DDP_ARMS = {"ddp-fp32": None, "ddp-bf16": "bf16", "ddp-powersgd-r1": 1, "ddp-powersgd-r4": 4,
             "ddp-gift-nvfp4": "gift"}
-FSDP_ARMS = {"fsdp-fp32": None, "fsdp-gift-nvfp4": "gift"}
+# arm -> (its mesh: "fsdp" over every rank or "hsdp" (nodes, --node-size), FSDP's reduce_dtype,
+# GIFT's options or None); benchmarks/fsdp_cluster.py runs the node arms
+FSDP_ARMS = {"fsdp-fp32": ("fsdp", None, None),
+             "fsdp-gift-nvfp4": ("fsdp", None, {"topology": "flat"})}
+FSDP_NODE_ARMS = {"fsdp-bf16": ("fsdp", torch.bfloat16, None),
+                  "fsdp-gift-nvfp4-2hop": ("fsdp", None, {"topology": "two-hop"}),
+                  "hsdp-fp32": ("hsdp", None, None),
+                  "hsdp-bf16": ("hsdp", torch.bfloat16, None),
+                  "hsdp-gift-nvfp4": ("hsdp", None, {})}
+FSDP_ARMS.update(FSDP_NODE_ARMS)
 ARMS = ["hvd-fp32", "hvd-fp16", "ddp-fp32", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r4",
         "ddp-gift-nvfp4", "fsdp-fp32", "fsdp-gift-nvfp4", "gift-fp8", "gift-nvfp4"]
 TORCH_ARMS = set(DDP_ARMS) | set(FSDP_ARMS)
@@ -52,7 +62,7 @@ TORCH_ARMS = set(DDP_ARMS) | set(FSDP_ARMS)
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arm", required=True, choices=ARMS + list(NODE_ARMS))
+    p.add_argument("--arm", required=True, choices=ARMS + list(NODE_ARMS) + list(FSDP_NODE_ARMS))
     p.add_argument("--node-size", type=int, default=None,
                    help="ranks a node, for the two-hop arms (consecutive ranks share a node)")
     p.add_argument("--ifname", default=None, help="count the bytes this interface sends")
@@ -208,27 +218,32 @@ class DdpArm:
 
 
 class FsdpArm(DdpArm):
-    """FSDP2 on the default (gloo) process group: each block, then the model, fully_shard'ed;
-    its own reduce-scatter timed as waiting, or GIFT's (codec and waiting by GIFT's counts)."""
+    """FSDP2 on the default (gloo) process group: each block, then the model, fully_shard'ed
+    over every rank or as HSDP over (nodes, --node-size); its own reduce-scatter timed as
+    waiting, or GIFT's (codec and waiting by GIFT's counts)."""
 
     lockstep_forward = True     # every forward all-gathers: every rank runs as many
 
     def __init__(self, arm, model, args):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from horovod_gift.fsdp import attach
         self.dist, self.module = dist, model
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
-        mesh = init_device_mesh("cpu", (self.size,))
+        kind, reduce_dtype, gift = FSDP_ARMS[arm]
+        shape = (self.size // args.node_size, args.node_size) if kind == "hsdp" else (self.size,)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+        policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
         for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         self.model = model
         self.optimizer = train_llama.make_optimizer(model, args.lr)
         self.powersgd, self.gift, self.waited = None, None, [0.0]
-        if FSDP_ARMS[arm] == "gift":
-            self.gift = attach(model, format="nvfp4", verbose=False)
+        if gift is not None:
+            self.gift = attach(model, format="nvfp4", verbose=False, node_size=args.node_size,
+                               **gift)
         else:
             for module in model.modules():
                 if hasattr(module, "set_custom_reduce_scatter"):
@@ -314,8 +329,13 @@ def run_arm(args):
     bytes_by_rank = arm.allgather(sum(r["bytes"] for r in rows[len(rows) // 2:]))
     params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
               for p in model.parameters()]
+    gift = getattr(arm, "gift", None)
     return {"arm": args.arm, "ranks": arm.size, "seed": args.seed, "rows": rows, "evals": evals,
             "steady_bytes_by_rank": bytes_by_rank, "compressed": arm.compressed(),
+            "max_rss_bytes": arm.allgather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                                           * 1024),
+            "residual_bytes": arm.allgather(gift.stats().get("residual_bytes", 0) if gift
+                                            else 0),
             "powersgd_start": args.powersgd_start, "params": params}
 
 
