@@ -20,7 +20,8 @@ import cluster  # noqa: E402
 import peers  # noqa: E402
 
 ARMS = ["fsdp-fp32", "fsdp-bf16", "hsdp-fp32", "hsdp-bf16", "hsdp-gift-nvfp4",
-        "fsdp-gift-nvfp4", "fsdp-gift-nvfp4-2hop"]
+        "hsdp-gift-nvfp4-ag8", "fsdp-gift-nvfp4", "fsdp-gift-nvfp4-2hop",
+        "fsdp-gift-nvfp4-2hop-ag8", "fsdp-gift-nvfp4-2hop-ag8-hpz"]
 BASELINE, BYTES_BASELINE = "fsdp-fp32", "hsdp-bf16"
 
 
@@ -39,6 +40,9 @@ def report(results, args, elements, wall):
              "in the second half of the steps, per step and gradient element: parameter "
              "all-gathers (fp32 in every arm) and gradient reductions together, over gloo "
              "(whose reduce-scatter and all-gather algorithms are not NCCL's). "
+             "GIFT's count: the bytes its quantized hop handed to gloo, all ranks of a node "
+             "summed, per step (the gradients alone: under 1-D FSDP the link also carries the "
+             "parameter all-gathers). "
              f"Ratios per paired seed, median [min-max]; `vs {BYTES_BASELINE}` of bytes, "
              f"`vs {BASELINE}` of time (above 1: faster) and of final held-out loss (in %).", ""]
     for config, (rates, runs, (target, table)) in results.items():
@@ -46,10 +50,11 @@ def report(results, args, elements, wall):
                 f"{args.target_step}" if target else f"{args.short_steps} steps, bytes only")
         lines += [f"## {config} ({what}; node link measured {rates[0] / 1e6:.0f} / "
                   f"{rates[1] / 1e6:.0f} Mbit/s)", "",
-                  f"| arm | B / gradient element / node link | vs {BYTES_BASELINE} | time to "
+                  f"| arm | B / gradient element / node link | vs {BYTES_BASELINE} | GIFT's "
+                  "quantized gradients: B / element / node | time to "
                   f"target (s) | vs {BASELINE} | step (s) | final held-out | vs {BASELINE} (%) "
                   "| GIFT residual B / parameter / rank | peak RSS / rank (MB) |",
-                  "|---" * 10 + "|"]
+                  "|---" * 11 + "|"]
         seeds = sorted({seed for _, seed in runs})
         base, bytes_base = table[BASELINE], table[BYTES_BASELINE]
         for arm, m in table.items():
@@ -58,10 +63,14 @@ def report(results, args, elements, wall):
                         for s in seeds]
             rss = [statistics.median(runs[arm, s]["max_rss_bytes"]) / 2 ** 20 for s in seeds]
             loss = [100 * (f / b - 1) for f, b in zip(m["final"], base["final"])]
+            nodes, per_node, _ = cluster.parse_config(config)
+            gift = [sum(runs[arm, s]["gift_bytes_sent"]) / nodes / len(runs[arm, s]["rows"])
+                    / elements for s in seeds]
             times = cluster.ratio(base["time"], m["time"])
             lines.append(
                 f"| {arm} | {peers.fmt(per_element)} | "
                 f"{peers.fmt([v / b for v, b in zip(m['bytes'], bytes_base['bytes'])])}x | "
+                f"{peers.fmt(gift) if any(gift) else '-'} | "
                 f"{peers.fmt(m['time'], 1)} | {peers.fmt(times) + 'x' if times else '-'} | "
                 f"{peers.fmt(m['seconds'], 3)} | {peers.fmt(m['final'], 4)} | "
                 f"{peers.fmt(loss)} | {peers.fmt(residual)} | {peers.fmt(rss, 0)} |")

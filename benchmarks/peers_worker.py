@@ -44,15 +44,21 @@ NODE_ARMS = {"hvd-fp32-hier": ("none", {}), "gift-nvfp4-flat": ("gift-nvfp4", {"
 # arm -> its hook: PowerSGD's rank, "bf16" (DDP's bf16_compress_hook), "gift" (GIFT's), None
 DDP_ARMS = {"ddp-fp32": None, "ddp-bf16": "bf16", "ddp-powersgd-r1": 1, "ddp-powersgd-r4": 4,
             "ddp-gift-nvfp4": "gift"}
-# arm -> (its mesh: "fsdp" over every rank or "hsdp" (nodes, --node-size), FSDP's reduce_dtype,
-# GIFT's options or None); benchmarks/fsdp_cluster.py runs the node arms
+# arm -> (its mesh: "fsdp" over every rank, "fsdp-hpz" the same with the backward all-gather
+# in the node (reshard_after_forward=--node-size), or "hsdp" (nodes, --node-size); FSDP's
+# reduce_dtype; GIFT's options or None); benchmarks/fsdp_cluster.py runs the node arms
 FSDP_ARMS = {"fsdp-fp32": ("fsdp", None, None),
              "fsdp-gift-nvfp4": ("fsdp", None, {"topology": "flat"})}
 FSDP_NODE_ARMS = {"fsdp-bf16": ("fsdp", torch.bfloat16, None),
                   "fsdp-gift-nvfp4-2hop": ("fsdp", None, {"topology": "two-hop"}),
                   "hsdp-fp32": ("hsdp", None, None),
                   "hsdp-bf16": ("hsdp", torch.bfloat16, None),
-                  "hsdp-gift-nvfp4": ("hsdp", None, {})}
+                  "hsdp-gift-nvfp4": ("hsdp", None, {}),
+                  "hsdp-gift-nvfp4-ag8": ("hsdp", None, {"param_format": "fp8_e4m3"}),
+                  "fsdp-gift-nvfp4-2hop-ag8": ("fsdp", None, {"topology": "two-hop",
+                                                              "param_format": "fp8_e4m3"}),
+                  "fsdp-gift-nvfp4-2hop-ag8-hpz": ("fsdp-hpz", None, {
+                      "topology": "two-hop", "param_format": "fp8_e4m3"})}
 FSDP_ARMS.update(FSDP_NODE_ARMS)
 ARMS = ["hvd-fp32", "hvd-fp16", "ddp-fp32", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r4",
         "ddp-gift-nvfp4", "fsdp-fp32", "fsdp-gift-nvfp4", "gift-fp8", "gift-nvfp4"]
@@ -235,8 +241,9 @@ class FsdpArm(DdpArm):
         shape = (self.size // args.node_size, args.node_size) if kind == "hsdp" else (self.size,)
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
         policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+        reshard = args.node_size if kind == "fsdp-hpz" else True
         for block in model.blocks:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         self.model = model
         self.optimizer = train_llama.make_optimizer(model, args.lr)
@@ -336,6 +343,8 @@ def run_arm(args):
                                            * 1024),
             "residual_bytes": arm.allgather(gift.stats().get("residual_bytes", 0) if gift
                                             else 0),
+            # what GIFT's quantized hop sent, by GIFT's count (the whole run)
+            "gift_bytes_sent": arm.allgather(gift.stats()["bytes_sent"] if gift else 0),
             "powersgd_start": args.powersgd_start, "params": params}
 
 

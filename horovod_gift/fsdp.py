@@ -42,6 +42,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.profiler import record_function
 
+from .fsdp_allgather import use_quantized_all_gather
 from .fsdp_hops import Hsdp, OneHop, TwoHops
 from .fsdp_internals import (hsdp_groups, param_group, reduce_across_replicas_in_gift,
                              shard_group)
@@ -113,6 +114,7 @@ def attach(model, **options):
     state.use(_hops([param_group(m) for m in modules], state, _device(model)))
     for module in modules:
         module.set_custom_reduce_scatter(GiftReduceScatter(state, module))
+    use_quantized_all_gather(modules, state.param_format, state.min_elements, state.telemetry)
     return state
 
 

@@ -6,7 +6,8 @@ fails when torch changes any of them.
   without parameters of its own; GIFT takes one group a module, fully_shard's default).
 - `FSDPParamGroup.fsdp_params`, and per FSDPParam `sharded_param`, `fsdp_placement.dim` and
   `padded_sharded_param_size`: the order and the sizes of the parameters in the reduce-scatter's
-  buffer (FSDP's `foreach_reduce_scatter_copy_in`: row k holds every parameter's k-th dim-0 shard).
+  buffer (FSDP's `foreach_reduce_scatter_copy_in`: row k holds every parameter's k-th dim-0 shard)
+  and in the all-gather's input (`foreach_all_gather`: each padded shard end to end).
 - `FSDPParamGroup.mesh_info` and `post_forward_mesh_info`, of the classes `FSDPMeshInfo` and
   `HSDPMeshInfo` (`shard_process_group`, `replicate_process_group`, `mesh`, `shard_mesh_dim`):
   under HSDP, FSDP's `foreach_reduce` all-reduces the reduce-scatter's output across replicas
@@ -18,7 +19,7 @@ fails when torch changes any of them.
 """
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
-__all__ = ["param_group", "trained_fsdp_params", "hsdp_groups",
+__all__ = ["param_group", "trained_fsdp_params", "all_fsdp_params", "hsdp_groups",
            "reduce_across_replicas_in_gift", "shard_group"]
 
 
@@ -37,6 +38,13 @@ def trained_fsdp_params(group):
     train, in the order of FSDP's reduce-scatter buffer."""
     return [(fp.sharded_param, fp.fsdp_placement.dim, fp.padded_sharded_param_size.numel())
             for fp in group.fsdp_params if fp.sharded_param.requires_grad]
+
+
+def all_fsdp_params(group):
+    """[(parameter, elements of its padded shard)] of every parameter, frozen ones included, in
+    the order of FSDP's all-gather input (fp32 parameters without a MixedPrecisionPolicy's
+    param_dtype: FSDP's copy-in then lays each padded shard end to end)."""
+    return [(fp.sharded_param, fp.padded_sharded_param_size.numel()) for fp in group.fsdp_params]
 
 
 def shard_group(group):

@@ -18,6 +18,7 @@ from .statistics import WhiteningStatistics
 from .telemetry import Telemetry, logger
 
 FSDP_TRANSFORMS = ("whiten", "none")
+PARAM_FORMATS = (None, "fp8_e4m3")     # fsdp_allgather.py
 
 
 class GroupLayout:
@@ -64,17 +65,21 @@ class FsdpGiftState:
     owner alone, so no rank could raise for all of them). topology: "auto" (two hops under 1-D
     FSDP when LOCAL_WORLD_SIZE, or node_size, makes several nodes of several ranks), "flat" or
     "two-hop"; under HSDP the mesh gives the nodes (fsdp_hops.py). attach() sets `hops`.
+    param_format: None (FSDP's fp32 parameter all-gather) or "fp8_e4m3" (fsdp_allgather.py).
     """
 
     def __init__(self, model, format="nvfp4", transform="whiten", error_feedback=True,
                  residual_dtype=torch.bfloat16, block_size=None, rounding="nearest", seed=0,
                  min_elements=1024, whitening_rank=32, damping=1.0, refresh_every=4,
-                 stat_window=5, nonfinite="nan", topology="auto", node_size=None, log_every=0,
-                 verbose=True):
+                 stat_window=5, nonfinite="nan", topology="auto", node_size=None,
+                 param_format=None, log_every=0, verbose=True):
         check_codec(format, block_size, rounding, where="GIFT (FSDP)")
         if topology not in TOPOLOGIES:
             raise ValueError(f"GIFT (FSDP): topology must be one of {TOPOLOGIES}, got "
                              f"{topology!r}")
+        if param_format not in PARAM_FORMATS:
+            raise ValueError(f"GIFT (FSDP): param_format must be one of {PARAM_FORMATS}, got "
+                             f"{param_format!r}")
         if node_size is not None and (not isinstance(node_size, int) or node_size < 1):
             raise ValueError(f"GIFT (FSDP): node_size must be a positive int or None, got "
                              f"{node_size!r}")
@@ -93,7 +98,7 @@ class FsdpGiftState:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GIFT (FSDP): {what} must be a positive int, got {value!r}")
         self.codec = Codec(format, block_size, rounding, seed)
-        self.topology, self.node_size = topology, node_size
+        self.topology, self.node_size, self.param_format = topology, node_size, param_format
         self.transform, self.error_feedback = transform, error_feedback
         self.residual_dtype, self.min_elements, self.verbose = residual_dtype, min_elements, verbose
         self.params = dict(model.named_parameters())
@@ -281,7 +286,7 @@ class FsdpGiftState:
                     error_feedback=self.error_feedback, residual_dtype=str(self.residual_dtype),
                     min_elements=self.min_elements, whitening_rank=self.statistics.rank,
                     damping=self.statistics.damping, refresh_every=self.statistics.refresh_every,
-                    stat_window=self.statistics.window,
+                    stat_window=self.statistics.window, param_format=self.param_format,
                     model=hashlib.sha256(repr(shapes).encode()).hexdigest()[:16])
 
     def _check_ranks_agree(self):

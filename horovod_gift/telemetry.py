@@ -17,8 +17,9 @@ logger = logging.getLogger("horovod_gift")
 
 PROFILER_RANGES = ("horovod_gift.compress", "horovod_gift.decompress", "horovod_gift.refresh",
                    "horovod_gift.vote")
-COUNTERS = ("elements", "bytes_sent", "node_bytes_sent", "payload_bytes", "uncompressed_elements",
-            "seconds_in_gift", "wait_seconds", "joined_steps", "warmup_steps")
+# param_bytes_sent: FSDP's parameter all-gathers in 8 bits (fsdp_allgather.py)
+COUNTERS = ("elements", "bytes_sent", "node_bytes_sent", "param_bytes_sent", "payload_bytes",
+            "uncompressed_elements", "seconds_in_gift", "wait_seconds", "joined_steps", "warmup_steps")
 
 
 class Telemetry:

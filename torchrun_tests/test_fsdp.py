@@ -160,3 +160,35 @@ def test_stats_split_the_seconds_into_codec_and_waiting():
     assert stats["seconds_in_gift"] > 0 and stats["wait_seconds"] > 0
     assert 0 <= stats["codec_seconds"] < stats["seconds_in_gift"]
     assert stats["residual_bytes"] > 0
+
+
+def test_parameters_all_gathered_in_8_bits_are_the_same_on_every_rank_and_the_master_exact():
+    model, opt, state = make(**dict(OPTIONS, param_format="fp8_e4m3"))
+    seen = {}
+    model.up.register_forward_pre_hook(
+        lambda module, args: seen.update(weight=module.weight.detach().clone(),
+                                         bias=module.bias.detach().clone()))
+    master = [p.to_local().clone() for p in model.parameters()]
+    loss_of(model, 0, dist.get_rank()).backward()
+    exact_weight, exact_bias = full(model.up.weight).detach(), full(model.up.bias).detach()
+    error = (seen["weight"] - exact_weight).norm() / exact_weight.norm()
+    assert 0 < error < 0.05, float(error)       # FP8 with block scales, not fp32
+    assert torch.equal(seen["bias"], exact_bias)    # under min_elements: fp32
+    assert_identical_on_all_ranks([seen["weight"]], "all-gathered weights")
+    assert all(torch.equal(p.to_local(), m) for p, m in zip(model.parameters(), master))
+    ranks, elements = dist.get_world_size(), sum(p.numel() for p in model.parameters())
+    # two all-gathers (forward, and backward after resharding), each sending this rank's shard
+    # to the others: about 2 (ranks - 1) / ranks bytes an element and its scales (fp32: 8)
+    sent = state.stats()["param_bytes_sent"] / elements / (2 * (ranks - 1) / ranks)
+    assert 0.9 < sent < 1.3, sent
+
+
+def test_training_with_8_bit_parameter_all_gathers_follows_fsdp_fp32():
+    model, opt, _ = make(**dict(OPTIONS, param_format="fp8_e4m3"))
+    losses = train(model, opt, 12)
+    reference, ref_opt, _ = make()
+    ref_losses = train(reference, ref_opt, 12)
+    assert abs(losses[-1] - ref_losses[-1]) < 0.05, (losses, ref_losses)
+    assert_identical_on_all_ranks([full(p) for p in model.parameters()], "parameters")
+    with pytest.raises(ValueError, match="param_format must be one of"):
+        make(**dict(OPTIONS, param_format="int8"))
