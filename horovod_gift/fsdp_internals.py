@@ -1,6 +1,6 @@
 """Every private attribute of torch 2.13's FSDP2 (torch.distributed.fsdp._fully_shard) that GIFT
-relies on, in one place; torchrun_tests/test_fsdp_hops.py::test_the_private_fsdp_attributes_gift_reads
-fails when torch changes any of them.
+relies on, in one place; test_the_private_fsdp_attributes_gift_reads (torchrun_tests/
+test_fsdp_hops.py) fails when torch changes any of them.
 
 - `FSDPModule._get_fsdp_state()._fsdp_param_groups`: a module's FSDPParamGroup (none for a module
   without parameters of its own; GIFT takes one group a module, fully_shard's default).

@@ -74,27 +74,24 @@ class FsdpGiftState:
                  stat_window=5, nonfinite="nan", topology="auto", node_size=None,
                  param_format=None, log_every=0, verbose=True):
         check_codec(format, block_size, rounding, where="GIFT (FSDP)")
-        if topology not in TOPOLOGIES:
-            raise ValueError(f"GIFT (FSDP): topology must be one of {TOPOLOGIES}, got "
-                             f"{topology!r}")
-        if param_format not in PARAM_FORMATS:
-            raise ValueError(f"GIFT (FSDP): param_format must be one of {PARAM_FORMATS}, got "
-                             f"{param_format!r}")
-        if node_size is not None and (not isinstance(node_size, int) or node_size < 1):
-            raise ValueError(f"GIFT (FSDP): node_size must be a positive int or None, got "
-                             f"{node_size!r}")
         if nonfinite != "nan":
             raise ValueError(f"GIFT (FSDP): nonfinite must be 'nan', got {nonfinite!r}: each "
                              "shard's sum is seen by its owner alone, so no rank can raise for "
                              "all of them")
-        if transform not in FSDP_TRANSFORMS:
-            raise ValueError(f"GIFT (FSDP): transform must be one of {FSDP_TRANSFORMS}, got "
-                             f"{transform!r}: the Hadamard rotations mix rows FSDP shards apart")
-        if residual_dtype not in RESIDUAL_DTYPES:
-            raise ValueError(f"GIFT (FSDP): residual_dtype must be one of {RESIDUAL_DTYPES}, "
-                             f"got {residual_dtype!r}")
-        for what, value in dict(min_elements=min_elements, whitening_rank=whitening_rank,
-                                refresh_every=refresh_every, stat_window=stat_window).items():
+        for what, value, allowed, why in (
+                ("topology", topology, TOPOLOGIES, ""),
+                ("param_format", param_format, PARAM_FORMATS, ""),
+                ("transform", transform, FSDP_TRANSFORMS,
+                 ": the Hadamard rotations mix rows FSDP shards apart"),
+                ("residual_dtype", residual_dtype, RESIDUAL_DTYPES, "")):
+            if value not in allowed:
+                raise ValueError(f"GIFT (FSDP): {what} must be one of {allowed}, got "
+                                 f"{value!r}{why}")
+        counts = dict(min_elements=min_elements, whitening_rank=whitening_rank,
+                      refresh_every=refresh_every, stat_window=stat_window)
+        if node_size is not None:
+            counts["node_size"] = node_size
+        for what, value in counts.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GIFT (FSDP): {what} must be a positive int, got {value!r}")
         self.codec = Codec(format, block_size, rounding, seed)

@@ -19,7 +19,8 @@ PROFILER_RANGES = ("horovod_gift.compress", "horovod_gift.decompress", "horovod_
                    "horovod_gift.vote")
 # param_bytes_sent: FSDP's parameter all-gathers in 8 bits (fsdp_allgather.py)
 COUNTERS = ("elements", "bytes_sent", "node_bytes_sent", "param_bytes_sent", "payload_bytes",
-            "uncompressed_elements", "seconds_in_gift", "wait_seconds", "joined_steps", "warmup_steps")
+            "uncompressed_elements", "seconds_in_gift", "wait_seconds", "joined_steps",
+            "warmup_steps")
 
 
 class Telemetry:

@@ -1,12 +1,12 @@
 """GIFT as FSDP2's reduce-scatter (horovod_gift.fsdp), on gloo under torchrun."""
-import io
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from fsdp_checks import (check_non_finite_comes_back_nan, check_reduced_shards_close_to_fp32,
+                         check_resume_is_bit_identical, full)
 from helpers import Net, assert_identical_on_all_ranks, gathered, loss_of, train
 from horovod_gift.fsdp import attach
 
@@ -26,10 +26,6 @@ def make(seed=0, **options):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2), state
 
 
-def full(tensor):
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
 def test_training_follows_fsdp_fp32_and_the_full_parameters_are_identical_on_every_rank():
     model, opt, state = make(**OPTIONS)
     losses = train(model, opt, 12)
@@ -45,60 +41,16 @@ def test_training_follows_fsdp_fp32_and_the_full_parameters_are_identical_on_eve
 
 @pytest.mark.parametrize("transform", ["none", "whiten"])
 def test_the_reduced_shards_are_close_to_fsdp_fp32_on_the_same_batch(transform):
-    model, opt, _ = make(**dict(OPTIONS, format="fp8_e4m3", transform=transform))
-    reference, ref_opt, _ = make()
-    rank = dist.get_rank()
-    for step in range(3):        # whitening factors from step 2 on
-        for m, o in ((model, opt), (reference, ref_opt)):
-            o.zero_grad()
-            loss_of(m, step, rank).backward()
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            mine, theirs = full(p.grad), full(q.grad)
-            error = (mine - theirs).norm() / theirs.norm()
-            assert error < 0.05, (step, name, float(error))
-            if step == 0 and p.numel() < 1024:      # small tensors travel in fp32
-                torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-7)
-        for o in (opt, ref_opt):
-            o.step()
+    check_reduced_shards_close_to_fp32(
+        make, dict(OPTIONS, format="fp8_e4m3", transform=transform), 0.05)
 
 
 def test_checkpoint_resume_is_bit_identical():
-    """Resumed at a refresh step (refresh_every=2): the residuals of every group are
-    re-expressed in the new factors, also those of groups not seen yet since the load."""
-    model, opt, state = make(**OPTIONS)
-    train(model, opt, 4)
-    saved = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                "gift": state.state_dict()}, saved)
-    train(model, opt, 4, first=4)
-    resumed, resumed_opt, resumed_state = make(seed=1, **OPTIONS)
-    saved.seek(0)
-    checkpoint = torch.load(saved, weights_only=False)
-    resumed.load_state_dict(checkpoint["model"])
-    resumed_opt.load_state_dict(checkpoint["opt"])
-    resumed_state.load_state_dict(checkpoint["gift"])
-    train(resumed, resumed_opt, 4, first=4)
-    for p, q in zip(model.parameters(), resumed.parameters()):
-        assert torch.equal(p.to_local(), q.to_local())
+    check_resume_is_bit_identical(make, OPTIONS)
 
 
 def test_a_non_finite_gradient_comes_back_nan_and_the_next_step_is_finite():
-    model, opt, state = make(**OPTIONS)
-    train(model, opt, 2)
-    rank = dist.get_rank()
-    opt.zero_grad()
-    poison = None
-    if rank == 0:           # an Inf in what reaches up's output on rank 0 only
-        poison = model.up.register_full_backward_pre_hook(
-            lambda module, grad: (grad[0].index_fill(-1, torch.tensor([0]), float("inf")),))
-    loss_of(model, 2, rank).backward()
-    assert not torch.isfinite(full(model.up.weight.grad)).all()
-    assert torch.isfinite(full(model.head.weight.grad)).all()     # downstream of up: finite
-    if poison is not None:
-        poison.remove()
-    opt.zero_grad()
-    loss_of(model, 3, rank).backward()
-    assert all(torch.isfinite(full(p.grad)).all() for p in model.parameters())
+    check_non_finite_comes_back_nan(make, OPTIONS, poisoned_rank=0)
 
 
 def test_gradient_accumulation_without_sync_reduces_the_sum_once():

@@ -1,7 +1,7 @@
 """GIFT under FSDP2 across nodes (fsdp_hops.py): HSDP on a (replicas, shard) mesh, and two hops
 under 1-D FSDP, on gloo under torchrun as 2 nodes: 4 ranks as 2 x 2, 8 as 2 x 4
 (scripts/run_tests.sh runs this file at 4 and 8 ranks)."""
-import io
+import functools
 
 import pytest
 import torch
@@ -9,6 +9,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from fsdp_checks import (check_non_finite_comes_back_nan, check_reduced_shards_close_to_fp32,
+                         check_resume_is_bit_identical, full)
 from helpers import Net, assert_identical_on_all_ranks, gathered, loss_of, train
 from horovod_gift import fsdp_internals
 from horovod_gift.fsdp import attach
@@ -38,10 +40,6 @@ def make(kind, seed=0, **options):
                        node_size=options.get("node_size", per_node()))
     state = attach(model, **options) if options else None
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2), state
-
-
-def full(tensor):
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def trained_elements(model):
@@ -76,23 +74,10 @@ def test_hsdp_replicas_hold_bit_identical_shards():
 @pytest.mark.parametrize("kind", ["hsdp", "fsdp"])
 @pytest.mark.parametrize("transform", ["none", "whiten"])
 def test_the_reduced_shards_are_close_to_fp32_on_the_same_batch(kind, transform):
-    model, opt, _ = make(kind, **dict(OPTIONS, format="fp8_e4m3", transform=transform))
-    reference, ref_opt, _ = make(kind)
-    rank = dist.get_rank()
     # one-hop FSDP's bound; HSDP quantizes twice (stage 1, and the owners' sum): sqrt(2) x
-    bound = 0.05 * (2 ** 0.5 if kind == "hsdp" else 1)
-    for step in range(3):        # whitening factors from step 2 on
-        for m, o in ((model, opt), (reference, ref_opt)):
-            o.zero_grad()
-            loss_of(m, step, rank).backward()
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            mine, theirs = full(p.grad), full(q.grad)
-            error = (mine - theirs).norm() / theirs.norm()
-            assert error < bound, (step, name, float(error))
-            if step == 0 and p.numel() < 1024:      # small tensors travel in fp32
-                torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-7)
-        for o in (opt, ref_opt):
-            o.step()
+    check_reduced_shards_close_to_fp32(
+        functools.partial(make, kind), dict(OPTIONS, format="fp8_e4m3", transform=transform),
+        0.05 * (2 ** 0.5 if kind == "hsdp" else 1))
 
 
 @pytest.mark.parametrize("kind", ["hsdp", "fsdp"])
@@ -114,41 +99,13 @@ def test_residuals_cover_one_node_share_of_the_parameters(kind):
 
 @pytest.mark.parametrize("kind", ["hsdp", "fsdp"])
 def test_checkpoint_resume_at_a_refresh_step_is_bit_identical(kind):
-    model, opt, state = make(kind, **OPTIONS)
-    train(model, opt, 4)
-    saved = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                "gift": state.state_dict()}, saved)
-    train(model, opt, 4, first=4)
-    resumed, resumed_opt, resumed_state = make(kind, seed=1, **OPTIONS)
-    saved.seek(0)
-    checkpoint = torch.load(saved, weights_only=False)
-    resumed.load_state_dict(checkpoint["model"])
-    resumed_opt.load_state_dict(checkpoint["opt"])
-    resumed_state.load_state_dict(checkpoint["gift"])
-    train(resumed, resumed_opt, 4, first=4)
-    for p, q in zip(model.parameters(), resumed.parameters()):
-        assert torch.equal(p.to_local(), q.to_local())
+    check_resume_is_bit_identical(functools.partial(make, kind), OPTIONS)
 
 
 @pytest.mark.parametrize("kind", ["hsdp", "fsdp"])
 def test_a_non_finite_gradient_on_one_rank_comes_back_nan_then_training_goes_on(kind):
-    model, opt, state = make(kind, **OPTIONS)
-    train(model, opt, 2)
-    rank = dist.get_rank()
-    opt.zero_grad()
-    poison = None
-    if rank == dist.get_world_size() - 1:
-        poison = model.up.register_full_backward_pre_hook(
-            lambda module, grad: (grad[0].index_fill(-1, torch.tensor([0]), float("inf")),))
-    loss_of(model, 2, rank).backward()
-    assert not torch.isfinite(full(model.up.weight.grad)).all()
-    assert torch.isfinite(full(model.head.weight.grad)).all()
-    if poison is not None:
-        poison.remove()
-    opt.zero_grad()
-    loss_of(model, 3, rank).backward()
-    assert all(torch.isfinite(full(p.grad)).all() for p in model.parameters())
+    check_non_finite_comes_back_nan(functools.partial(make, kind), OPTIONS,
+                                    poisoned_rank=dist.get_world_size() - 1)
 
 
 def test_a_configuration_that_differs_across_ranks_raises_on_every_rank():
@@ -164,7 +121,7 @@ def test_combinations_gift_cannot_honour_are_refused_by_name():
         make("hsdp", **dict(OPTIONS, topology="flat"))
     with pytest.raises(ValueError, match="topology must be one of"):
         make("hsdp", **dict(OPTIONS, topology="ring"))
-    with pytest.raises(ValueError, match="node_size must be a positive int"):
+    with pytest.raises(ValueError, match="node_size must be a positive int, got 0"):
         make("hsdp", **dict(OPTIONS, node_size=0))
     with pytest.raises(ValueError, match="two-hop' needs several nodes"):
         make("fsdp", **dict(OPTIONS, node_size=dist.get_world_size()))
