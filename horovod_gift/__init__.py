@@ -6,7 +6,7 @@ Horovod frontend, import horovod.torch when first used.
 
 __version__ = "0.3.0"
 
-from .config import FORMATS, ROUNDINGS, use_kernels
+from .config import FORMATS, ROUNDINGS, GiftConfig, use_kernels
 from .formats import Encoded, decode, encode
 from .geometry import InputWhitening
 from .linear_layers import register_linear
@@ -19,6 +19,7 @@ __all__ = [
     "__version__",
     "GIFT",
     "allreduce",
+    "GiftConfig",
     "FORMATS",
     "ROUNDINGS",
     "use_kernels",

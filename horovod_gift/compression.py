@@ -29,6 +29,7 @@ from horovod.torch.compression import Compressor
 from torch.profiler import record_function
 
 from . import horovod_internals as internals
+from .config import with_options
 from .core import GiftCore, sparse_gradient_parameters
 from .horovod_frontend import HorovodCommunicator, horovod_topology
 
@@ -61,12 +62,13 @@ class GIFT(GiftCore, Compressor):
     size. Warm-up steps (start_step) take Horovod's fp32 path.
     """
 
-    def __init__(self, model, *, process_set=None, **options):
+    @with_options()
+    def __init__(self, model, *, process_set=None, config=None, **options):
         if not hvd.is_initialized():
             raise RuntimeError("GIFT: call hvd.init() before creating GIFT(model, ...)")
         self.requested_process_set = process_set
         self.process_set = process_set or hvd.global_process_set
-        super().__init__(model, HorovodCommunicator(self.process_set),
+        super().__init__(model, HorovodCommunicator(self.process_set), config,
                          uncompressed=sparse_gradient_parameters(model), **options)
         # with no process set given, chosen for the optimizer's set at the first step: only its
         # ranks may be making this GIFT

@@ -8,7 +8,10 @@ the plain-torch references, which every other implementation matches bit for bit
 """
 
 import contextlib
+import dataclasses
+import inspect
 import os
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -66,38 +69,153 @@ def check_codec(format, block_size, rounding, where="encode"):
 
 
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
+REFRESH_EVERY = 4       # steps between whitening refreshes (core.GiftCore's docstring says why)
+STAT_WINDOW = 5         # steps in the statistics' EMA
+PARAM_FORMATS = (None, "fp8_e4m3")      # FSDP's parameter all-gather (fsdp_allgather.py)
+FSDP_TRANSFORMS = ("whiten", "none")
 
 
-def check_arguments(model, format, block_size, rounding, transform, nonfinite, damping,
-                    start_step, grad_scaler, residual_dtype, topology, node_size, **positive_ints):
-    """GIFT's arguments, each refused by name with what it accepts."""
-    from .topology import TOPOLOGIES
-    from .transforms import TRANSFORMS     # transforms imports this module
+@dataclass(frozen=True)
+class GiftConfig:
+    """Every option of GIFT, one frozen record that Horovod's GIFT, DDP's GiftState and FSDP's
+    attach all take (as `config=` or as keyword arguments); checked once, here. core.GiftCore's
+    docstring has the measurements behind each default."""
 
-    if topology not in TOPOLOGIES:
-        raise ValueError(f"GIFT: unknown topology {topology!r}; expected one of {TOPOLOGIES}")
-    if node_size is not None and (not isinstance(node_size, int) or node_size < 1):
-        raise ValueError(f"GIFT: node_size must be None (Horovod's local size) or a positive "
-                         f"int, got {node_size!r}")
+    # the wire format of gradients: "nvfp4" (4.5 bits an element with its scales), "fp8_e4m3"
+    # or "fp8_e5m2" (8, plus one scale per block_size elements)
+    format: str = "nvfp4"
+    # "whiten" (K-FAC input whitening of linear weights), "whiten+hadamard", "hadamard", "auto"
+    # (chosen per tensor on refresh steps) or "none"; FSDP takes "whiten" and "none"
+    transform: str = "whiten"
+    # keep each quantization stage's error and add it back next step
+    error_feedback: bool = True
+    # FP8's scale block (None: one scale a tensor); NVFP4's is fixed at 16
+    block_size: object = None
+    # "nearest" or "stochastic" (seeded, the same on every rank)
+    rounding: str = "nearest"
+    seed: int = 0
+    # the most elements in a bucket reduced together (Horovod, DDP)
+    bucket_elements: int = 1 << 22
+    # tensors under this many elements travel in fp32, uncompressed
+    min_elements: int = 1024
+    # eigenpairs of each input statistic kept: 64 gains 2-6 % over 32, 16 loses 7-15 %
+    whitening_rank: int = 32
+    # the floor added to each statistic, relative to its mean eigenvalue
+    damping: float = 1.0
+    # steps between recomputations of the whitening factors
+    refresh_every: int = REFRESH_EVERY
+    # the statistics are an EMA with decay 1 - 1 / stat_window
+    stat_window: int = STAT_WINDOW
+    # the randomized Hadamard rotation's block (a power of two)
+    hadamard_block: int = 128
+    # "nan": a non-finite gradient comes back NaN on every rank; "raise": every rank raises
+    nonfinite: str = "nan"
+    # the residuals' dtype: torch.float32 or torch.bfloat16 (half the memory)
+    residual_dtype: torch.dtype = torch.float32
+    # steps of the engine's own fp32 reduction first (warm-up; Horovod, DDP)
+    start_step: int = 0
+    # fp16 training's torch.amp.GradScaler: the residuals follow its scale (Horovod, DDP)
+    grad_scaler: object = field(default=None, compare=False)
+    # log one line every N steps on rank 0 (0: never)
+    log_every: int = 0
+    # "auto" (two hops on several nodes of several ranks), "flat" or "two-hop"
+    topology: str = "auto"
+    # consecutive ranks a node (None: the launcher's local size)
+    node_size: object = None
+    # FSDP's parameter all-gather: None (fp32, FSDP's own) or "fp8_e4m3"
+    param_format: object = None
+    # log what GIFT does at its first step
+    verbose: bool = True
 
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"GIFT: expected the torch.nn.Module being trained, "
-                        f"got {type(model).__name__}")
-    check_codec(format, block_size, rounding, where="GIFT")
-    if transform not in TRANSFORMS:
-        raise ValueError(f"GIFT: unknown transform {transform!r}; expected one of {TRANSFORMS}")
-    if nonfinite not in ("nan", "raise"):
-        raise ValueError(f"GIFT: nonfinite must be 'nan' or 'raise', got {nonfinite!r}")
-    for what, value in positive_ints.items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"GIFT: {what} must be a positive int, got {value!r}")
-    if not damping > 0:
-        raise ValueError(f"GIFT: damping must be positive, got {damping!r}")
-    if not isinstance(start_step, int) or start_step < 0:
-        raise ValueError(f"GIFT: start_step must be a non-negative int, got {start_step!r}")
-    if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
-        raise TypeError(f"GIFT: grad_scaler must be a torch.amp.GradScaler, "
-                        f"got {type(grad_scaler).__name__}")
-    if residual_dtype not in RESIDUAL_DTYPES:
-        raise ValueError(f"GIFT: residual_dtype must be one of {RESIDUAL_DTYPES}, "
-                         f"got {residual_dtype!r}")
+    def __post_init__(self):
+        from .topology import TOPOLOGIES
+        from .transforms import TRANSFORMS     # transforms imports this module
+
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"GIFT: unknown topology {self.topology!r}; expected one of "
+                             f"{TOPOLOGIES}")
+        if self.node_size is not None and (not isinstance(self.node_size, int)
+                                           or self.node_size < 1):
+            raise ValueError(f"GIFT: node_size must be None (Horovod's local size) or a "
+                             f"positive int, got {self.node_size!r}")
+        check_codec(self.format, self.block_size, self.rounding, where="GIFT")
+        if self.transform not in TRANSFORMS:
+            raise ValueError(f"GIFT: unknown transform {self.transform!r}; expected one of "
+                             f"{TRANSFORMS}")
+        if self.nonfinite not in ("nan", "raise"):
+            raise ValueError(f"GIFT: nonfinite must be 'nan' or 'raise', got {self.nonfinite!r}")
+        for what in ("refresh_every", "stat_window", "whitening_rank", "min_elements",
+                     "bucket_elements"):
+            value = getattr(self, what)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GIFT: {what} must be a positive int, got {value!r}")
+        if not self.damping > 0:
+            raise ValueError(f"GIFT: damping must be positive, got {self.damping!r}")
+        if not isinstance(self.start_step, int) or self.start_step < 0:
+            raise ValueError(f"GIFT: start_step must be a non-negative int, got "
+                             f"{self.start_step!r}")
+        if self.grad_scaler is not None and not callable(getattr(self.grad_scaler, "get_scale",
+                                                                 None)):
+            raise TypeError(f"GIFT: grad_scaler must be a torch.amp.GradScaler, "
+                            f"got {type(self.grad_scaler).__name__}")
+        if self.residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(f"GIFT: residual_dtype must be one of {RESIDUAL_DTYPES}, "
+                             f"got {self.residual_dtype!r}")
+        block = self.hadamard_block
+        if not isinstance(block, int) or block < 1 or block & (block - 1):
+            raise ValueError(f"GIFT: hadamard_block must be a power of two, got {block!r}")
+        if self.param_format not in PARAM_FORMATS:
+            raise ValueError(f"GIFT: param_format must be one of {PARAM_FORMATS}, got "
+                             f"{self.param_format!r}")
+
+    @classmethod
+    def for_fsdp(cls, **options):
+        """FSDP's defaults: bf16 residuals (benchmarks/results/fsdp_feedback.md: as good as
+        fp32, and FSDP users count bytes a parameter)."""
+        return cls(**dict(dict(residual_dtype=torch.bfloat16), **options))
+
+    @staticmethod
+    def of(config, defaults, options):
+        """The config a frontend runs: config (a GiftConfig or None: defaults()) with options
+        replaced."""
+        return replace(config, **options) if config is not None else defaults(**options)
+
+    def refuse_for_fsdp(self):
+        """Raise, naming the option, where FSDP cannot honour what this config asks."""
+        default = GiftConfig()
+        if self.transform not in FSDP_TRANSFORMS:
+            raise ValueError(f"GIFT (FSDP): transform must be one of {FSDP_TRANSFORMS}, got "
+                             f"{self.transform!r}: the Hadamard rotations mix rows FSDP shards "
+                             "apart")
+        if self.nonfinite != "nan":
+            raise ValueError(f"GIFT (FSDP): nonfinite must be 'nan', got {self.nonfinite!r}: "
+                             "each shard's sum is seen by its owner alone, so no rank can raise "
+                             "for all of them")
+        for what, why in (("start_step", "FSDP has no fp32 warm-up path in GIFT"),
+                          ("grad_scaler", "FSDP2 trains in bf16 or fp32, without a GradScaler"),
+                          ("bucket_elements", "FSDP's groups are its buckets"),
+                          ("hadamard_block", "FSDP takes no Hadamard rotation")):
+            if getattr(self, what) != getattr(default, what):
+                raise ValueError(f"GIFT (FSDP): {what} does not apply: {why}")
+
+    def refuse_param_format(self, frontend):
+        if self.param_format is not None:
+            raise ValueError(f"{frontend}: param_format applies to FSDP's parameter all-gather "
+                             "only (horovod_gift.fsdp.attach)")
+
+
+def with_options(defaults=GiftConfig):
+    """A decorator: the function (whose **options are GiftConfig's fields) gets a signature that
+    lists them as keyword-only parameters with the defaults of defaults(), for help() and IDEs:
+    every option by name and default."""
+    config = defaults()
+
+    def decorate(function):
+        options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
+                                     default=getattr(config, f.name))
+                   for f in dataclasses.fields(GiftConfig)]
+        kept = [p for p in inspect.signature(function).parameters.values()
+                if p.kind != inspect.Parameter.VAR_KEYWORD]
+        function.__signature__ = inspect.Signature(kept + options)
+        return function
+    return decorate

@@ -20,7 +20,7 @@ from torch.profiler import record_function
 from .checkpoint import Checkpointing
 from .codec import Codec
 from .collective import fill_buckets
-from .config import check_arguments
+from .config import REFRESH_EVERY, STAT_WINDOW, GiftConfig  # noqa: F401 (benchmarks read them)
 from .feedback import ErrorFeedback
 from .kernels.native import CompileCount
 from .linear_layers import linear_readers
@@ -30,8 +30,6 @@ from .statistics import WhiteningStatistics
 from .telemetry import Reporting, Telemetry, logger
 from .transforms import WHITENING_TRANSFORMS, TransformPlan
 
-REFRESH_EVERY = 4       # steps between whitening refreshes (the class docstring says why)
-STAT_WINDOW = 5         # steps in the statistics' EMA
 
 
 class GiftCore(Checkpointing, Reporting):
@@ -90,32 +88,28 @@ class GiftCore(Checkpointing, Reporting):
     fewer, larger messages); min_elements: tensors under it go fp32, uncompressed.
     """
 
-    def __init__(self, model, comm, format="nvfp4", transform="whiten", error_feedback=True,
-                 block_size=None, rounding="nearest", seed=0, bucket_elements=1 << 22,
-                 min_elements=1024, whitening_rank=32, damping=1.0, refresh_every=REFRESH_EVERY,
-                 stat_window=STAT_WINDOW, hadamard_block=128, nonfinite="nan",
-                 residual_dtype=torch.float32, start_step=0, grad_scaler=None, log_every=0,
-                 topology="auto", node_size=None, verbose=True, uncompressed=()):
-        """comm: the Communicator of the ranks that reduce; uncompressed: names of parameters
-        the engine reduces itself (no bucket may wait for them)."""
-        check_arguments(model, format, block_size, rounding, transform, nonfinite, damping,
-                        start_step, grad_scaler, residual_dtype,
-                        topology, node_size, refresh_every=refresh_every,
-                        stat_window=stat_window, whitening_rank=whitening_rank)
-        try:
-            rotation = HadamardRotation(hadamard_block, seed)
-        except ValueError:
-            raise ValueError(f"GIFT: hadamard_block must be a power of two, "
-                             f"got {hadamard_block!r}") from None
+    def __init__(self, model, comm, config=None, uncompressed=(), **options):
+        """comm: the Communicator of the ranks that reduce; config: a GiftConfig (None: the
+        defaults), options: fields of it to replace; uncompressed: names of parameters the
+        engine reduces itself (no bucket may wait for them)."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"GIFT: expected the torch.nn.Module being trained, "
+                            f"got {type(model).__name__}")
+        self.options = config = GiftConfig.of(config, GiftConfig, options)
+        config.refuse_param_format("GIFT")
+        format, transform, seed = config.format, config.transform, config.seed
+        min_elements, residual_dtype = config.min_elements, config.residual_dtype
+        rotation = HadamardRotation(config.hadamard_block, seed)
         params = list(model.named_parameters())
         trainable = [(n, p) for n, p in params if p.requires_grad]
         if not trainable:
             raise ValueError("GIFT: the model has no trainable parameters")
-        self.codec = Codec(format, block_size, rounding, seed)
-        self.transform, self.error_feedback, self.nonfinite = transform, error_feedback, nonfinite
-        self.min_elements, self.verbose, self.residual_dtype = min_elements, verbose, residual_dtype
+        self.codec = Codec(format, config.block_size, config.rounding, seed)
+        self.transform, self.error_feedback = transform, config.error_feedback
+        self.nonfinite, self.verbose = config.nonfinite, config.verbose
+        self.min_elements, self.residual_dtype = min_elements, residual_dtype
         self.comm = comm
-        self.topology_request, self.node_size = topology, node_size
+        self.topology_request, self.node_size = config.topology, config.node_size
         self.topology = None            # the frontend's Topology, chosen before the first step
         self.average = True             # a sum when False
         self.params = dict(params)
@@ -128,20 +122,21 @@ class GiftCore(Checkpointing, Reporting):
         # only tensors that are compressed can be whitened
         whitenable = ({n: self.params[n] for n in compressed}
                       if transform in WHITENING_TRANSFORMS else {})
-        self.statistics = WhiteningStatistics(model, whitenable, whitening_rank, damping,
-                                              refresh_every, stat_window, comm)
+        self.statistics = WhiteningStatistics(model, whitenable, config.whitening_rank,
+                                              config.damping, config.refresh_every,
+                                              config.stat_window, comm)
         self.plan = TransformPlan(self.params, transform, self.statistics, rotation)
         self.buckets = fill_buckets(compressed, {n: self.params[n].numel() for n in compressed},
-                                    bucket_elements)
+                                    config.bucket_elements)
         self.bucket_of = {n: k for k, names in enumerate(self.buckets) for n in names}
         self.feedback = (ErrorFeedback(self.params, self.buckets, self.codec.align, residual_dtype)
-                         if error_feedback else None)
+                         if config.error_feedback else None)
         self.step = 0
         self._verify = True
         self._pending_rank_state = False  # loaded before the communicator was known: apply later
-        self.start_step, self.grad_scaler = start_step, grad_scaler
+        self.start_step, self.grad_scaler = config.start_step, config.grad_scaler
         self._scale = None              # the GradScaler's scale the residuals are in
-        self.telemetry = Telemetry(log_every)
+        self.telemetry = Telemetry(config.log_every)
         self._compiles_seen = CompileCount.count
 
     def choose_topology(self, make):

@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
 from .collective import Fp32Reduction
+from .config import with_options
 from .core import GiftCore, sparse_gradient_parameters
 from .torch_frontend import TorchCommunicator, torch_topology
 
@@ -72,7 +73,8 @@ class GiftState(GiftCore):
     topology "auto" or "two-hop" it gathers the ranks' placement and may make node groups).
     """
 
-    def __init__(self, model, *, process_group=None, **options):
+    @with_options()
+    def __init__(self, model, *, process_group=None, config=None, **options):
         if not dist.is_initialized():
             raise RuntimeError("GiftState: call torch.distributed.init_process_group() before "
                                "creating GiftState(model, ...)")
@@ -89,7 +91,7 @@ class GiftState(GiftCore):
         # where metadata travels under NCCL: the gradients' GPU, not whichever is current
         self.device = next(p.device for p in module.parameters())
         ignored = set(getattr(model, "parameters_to_ignore", ()))    # DDP never reduces them
-        super().__init__(module, TorchCommunicator(process_group, self.device),
+        super().__init__(module, TorchCommunicator(process_group, self.device), config,
                          uncompressed=ignored, **options)
         self.choose_topology(self._topology)
         self.name_of = {id(p): n for n, p in self.params.items()}

@@ -42,6 +42,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.profiler import record_function
 
+from .config import GiftConfig, with_options
 from .fsdp_allgather import use_quantized_all_gather
 from .fsdp_hops import Hsdp, OneHop, TwoHops
 from .fsdp_internals import (hsdp_groups, param_group, reduce_across_replicas_in_gift,
@@ -100,11 +101,13 @@ def _divisor(op, ranks):
                      "sums (leave set_gradient_divide_factor unset)")
 
 
-def attach(model, **options):
-    """Make an FsdpGiftState for model (options: its arguments) and set a GiftReduceScatter on
-    every fully_shard module in it; returns the state (for state_dict() and stats()). Collective:
-    call it on every rank, after fully_shard and before the first backward."""
-    state = FsdpGiftState(model, **options)
+@with_options(GiftConfig.for_fsdp)
+def attach(model, config=None, **options):
+    """Make an FsdpGiftState for model (config: a GiftConfig, options: fields of it to
+    replace; GiftConfig.for_fsdp's defaults) and set a GiftReduceScatter on every fully_shard
+    module in it; returns the state (for state_dict() and stats()). Collective: call it on every
+    rank, after fully_shard and before the first backward."""
+    state = FsdpGiftState(model, config, **options)
     # a fully_shard module without parameters of its own has no reduce-scatter
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)
                and param_group(m) is not None]

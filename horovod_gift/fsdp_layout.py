@@ -9,16 +9,13 @@ import torch
 
 from .codec import Codec, TensorPieces
 from .collective import mix_seed, name_key, timed_wait
-from .config import RESIDUAL_DTYPES, check_codec
+from .config import GiftConfig
 from .feedback import FINITE_AMAX
-from .fsdp_hops import TOPOLOGIES
 from .fsdp_internals import param_group, trained_fsdp_params
 from .linear_layers import linear_readers
 from .statistics import WhiteningStatistics
 from .telemetry import Telemetry, logger
 
-FSDP_TRANSFORMS = ("whiten", "none")
-PARAM_FORMATS = (None, "fp8_e4m3")     # fsdp_allgather.py
 
 
 class GroupLayout:
@@ -57,47 +54,26 @@ class GroupLayout:
 
 
 class FsdpGiftState:
-    """GIFT's state for one model under FSDP2; every option is core.GiftCore's (its docstring
-    has the advice), less the ones FSDP has no use for (buckets).
+    """GIFT's state for one model under FSDP2: a GiftConfig (GiftConfig.for_fsdp's defaults;
+    GiftConfig.refuse_for_fsdp says what FSDP cannot take) or its fields as keywords.
 
-    transform: "whiten" (default) or "none". error_feedback: see fsdp.py and
-    benchmarks/results/fsdp_feedback.md. nonfinite: "nan" only (a shard's sum is seen by its
-    owner alone, so no rank could raise for all of them). topology: "auto" (two hops under 1-D
-    FSDP when LOCAL_WORLD_SIZE, or node_size, makes several nodes of several ranks), "flat" or
-    "two-hop"; under HSDP the mesh gives the nodes (fsdp_hops.py). attach() sets `hops`.
-    param_format: None (FSDP's fp32 parameter all-gather) or "fp8_e4m3" (fsdp_allgather.py).
+    error_feedback: see fsdp.py and benchmarks/results/fsdp_feedback.md. topology: "auto" (two
+    hops under 1-D FSDP when LOCAL_WORLD_SIZE, or node_size, makes several nodes of several
+    ranks), "flat" or "two-hop"; under HSDP the mesh gives the nodes (fsdp_hops.py). attach()
+    sets `hops`. param_format: None (FSDP's fp32 parameter all-gather) or "fp8_e4m3"
+    (fsdp_allgather.py).
     """
 
-    def __init__(self, model, format="nvfp4", transform="whiten", error_feedback=True,
-                 residual_dtype=torch.bfloat16, block_size=None, rounding="nearest", seed=0,
-                 min_elements=1024, whitening_rank=32, damping=1.0, refresh_every=4,
-                 stat_window=5, nonfinite="nan", topology="auto", node_size=None,
-                 param_format=None, log_every=0, verbose=True):
-        check_codec(format, block_size, rounding, where="GIFT (FSDP)")
-        if nonfinite != "nan":
-            raise ValueError(f"GIFT (FSDP): nonfinite must be 'nan', got {nonfinite!r}: each "
-                             "shard's sum is seen by its owner alone, so no rank can raise for "
-                             "all of them")
-        for what, value, allowed, why in (
-                ("topology", topology, TOPOLOGIES, ""),
-                ("param_format", param_format, PARAM_FORMATS, ""),
-                ("transform", transform, FSDP_TRANSFORMS,
-                 ": the Hadamard rotations mix rows FSDP shards apart"),
-                ("residual_dtype", residual_dtype, RESIDUAL_DTYPES, "")):
-            if value not in allowed:
-                raise ValueError(f"GIFT (FSDP): {what} must be one of {allowed}, got "
-                                 f"{value!r}{why}")
-        counts = dict(min_elements=min_elements, whitening_rank=whitening_rank,
-                      refresh_every=refresh_every, stat_window=stat_window)
-        if node_size is not None:
-            counts["node_size"] = node_size
-        for what, value in counts.items():
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"GIFT (FSDP): {what} must be a positive int, got {value!r}")
-        self.codec = Codec(format, block_size, rounding, seed)
-        self.topology, self.node_size, self.param_format = topology, node_size, param_format
-        self.transform, self.error_feedback = transform, error_feedback
-        self.residual_dtype, self.min_elements, self.verbose = residual_dtype, min_elements, verbose
+    def __init__(self, model, config=None, **options):
+        self.options = config = GiftConfig.of(config, GiftConfig.for_fsdp, options)
+        config.refuse_for_fsdp()
+        min_elements, transform = config.min_elements, config.transform
+        self.codec = Codec(config.format, config.block_size, config.rounding, config.seed)
+        self.topology, self.node_size = config.topology, config.node_size
+        self.param_format = config.param_format
+        self.transform, self.error_feedback = transform, config.error_feedback
+        self.residual_dtype, self.min_elements = config.residual_dtype, min_elements
+        self.verbose = config.verbose
         self.params = dict(model.named_parameters())
         self.name_of = {id(p): n for n, p in self.params.items()}
         # whitened: trained weights of linear modules stored (out, in), whose rows FSDP shards
@@ -105,8 +81,9 @@ class FsdpGiftState:
         whitenable = {n: self.params[n] for n, modules in readers.items()
                       if self.params[n].requires_grad and self.params[n].numel() >= min_elements
                       and all(layout.layout == "out_in" for _, _, layout in modules)}
-        self.statistics = WhiteningStatistics(model, whitenable, whitening_rank, damping,
-                                              refresh_every, stat_window, comm=None)
+        self.statistics = WhiteningStatistics(model, whitenable, config.whitening_rank,
+                                              config.damping, config.refresh_every,
+                                              config.stat_window, comm=None)
         self.modules = []       # the fully_shard modules whose reduce-scatter is GIFT's
         self.layouts, self.residuals = {}, {}   # module id -> GroupLayout; layout key -> r1
         self.unwhitened = set()  # whitenable weights FSDP shards on another dim than rows
@@ -116,7 +93,7 @@ class FsdpGiftState:
         self._pending_rank_state = None
         self._bounds = []        # this step's bounds on the encodes' magnitudes (scrub)
         self._partial = set()    # groups reduced in fp32 (a parameter had no gradient), warned
-        self.telemetry = Telemetry(log_every)
+        self.telemetry = Telemetry(config.log_every)
 
     # ---------------------------------------------------------------- layout and step
     def use(self, hops):

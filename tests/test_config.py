@@ -1,0 +1,77 @@
+"""GiftConfig: every option of every frontend in one frozen record, checked once."""
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+from horovod_gift import GiftConfig
+from horovod_gift.ddp import GiftState
+from horovod_gift.fsdp import attach
+
+BAD = [  # option, a bad value, what the error must say
+    ("format", "fp6", "unknown format 'fp6'"),
+    ("transform", "pca", "unknown transform 'pca'"),
+    ("rounding", "up", "unknown rounding 'up'"),
+    ("block_size", 12, "nvfp4 has fixed 16-element blocks; got block_size=12"),
+    ("nonfinite", "warn", "nonfinite must be 'nan' or 'raise', got 'warn'"),
+    ("topology", "ring", "unknown topology 'ring'"),
+    ("node_size", 0, "node_size must be None .* or a positive int, got 0"),
+    ("min_elements", 0, "min_elements must be a positive int, got 0"),
+    ("bucket_elements", 1.5, "bucket_elements must be a positive int, got 1.5"),
+    ("whitening_rank", -1, "whitening_rank must be a positive int"),
+    ("refresh_every", 0, "refresh_every must be a positive int"),
+    ("stat_window", "5", "stat_window must be a positive int"),
+    ("damping", 0.0, "damping must be positive, got 0.0"),
+    ("start_step", -1, "start_step must be a non-negative int, got -1"),
+    ("residual_dtype", torch.float16, "residual_dtype must be one of"),
+    ("hadamard_block", 100, "hadamard_block must be a power of two, got 100"),
+    ("param_format", "int8", "param_format must be one of .*, got 'int8'"),
+]
+
+
+@pytest.mark.parametrize("option, value, message", BAD, ids=[b[0] for b in BAD])
+def test_each_bad_option_is_refused_by_name(option, value, message):
+    with pytest.raises(ValueError, match=message):
+        GiftConfig(**{option: value})
+
+
+def test_a_grad_scaler_must_be_one():
+    with pytest.raises(TypeError, match="grad_scaler must be a torch.amp.GradScaler, got int"):
+        GiftConfig(grad_scaler=3)
+
+
+def test_the_config_is_frozen_and_replaced_by_keywords():
+    config = GiftConfig(format="fp8_e4m3")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.format = "nvfp4"
+    assert GiftConfig.of(config, GiftConfig, {"seed": 3}) == GiftConfig(format="fp8_e4m3",
+                                                                          seed=3)
+    assert GiftConfig.of(None, GiftConfig.for_fsdp, {}).residual_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown format"):
+        GiftConfig.of(config, GiftConfig, {"format": "fp6"})
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(transform="auto"), r"transform must be one of \('whiten', 'none'\), got 'auto'"),
+    (dict(nonfinite="raise"), "nonfinite must be 'nan', got 'raise'"),
+    (dict(start_step=2), "start_step does not apply"),
+    (dict(bucket_elements=1 << 10), "bucket_elements does not apply"),
+])
+def test_what_fsdp_cannot_honour_is_refused_by_name(options, message):
+    with pytest.raises(ValueError, match=message):
+        GiftConfig.for_fsdp(**options).refuse_for_fsdp()
+
+
+def test_param_format_is_refused_outside_fsdp():
+    with pytest.raises(ValueError, match="GIFT: param_format applies to FSDP's"):
+        GiftConfig(param_format="fp8_e4m3").refuse_param_format("GIFT")
+
+
+@pytest.mark.parametrize("entry", [GiftState, attach])
+def test_help_lists_every_option_with_the_frontends_default(entry):
+    parameters = inspect.signature(entry).parameters
+    for field in dataclasses.fields(GiftConfig):
+        assert field.name in parameters, field.name
+    expected = torch.bfloat16 if entry is attach else torch.float32
+    assert parameters["residual_dtype"].default == expected
