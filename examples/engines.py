@@ -6,6 +6,7 @@ it needs for its own logging. DDP and FSDP import no Horovod.
     horovodrun -np 2 -H localhost:2 python examples/train_llama.py --engine horovod
     torchrun --nproc-per-node 2 examples/train_llama.py --engine ddp
     torchrun --nproc-per-node 2 examples/train_llama.py --engine fsdp
+    torchrun --nnodes N --nproc-per-node 8 ... examples/train_llama.py --engine hsdp
 """
 import os
 
@@ -40,6 +41,7 @@ def gift_options(args, **options):
 
 class HorovodEngine:
     name = "horovod"
+    sharded = False
 
     def __init__(self):
         import horovod.torch as hvd
@@ -88,6 +90,7 @@ class HorovodEngine:
 
 class TorchEngine:
     """torch.distributed under torchrun: gloo on the CPU, NCCL on GPUs."""
+    sharded = False
 
     def __init__(self, device):
         import torch.distributed as dist
@@ -142,15 +145,19 @@ class DdpEngine(TorchEngine):
 class FsdpEngine(TorchEngine):
     name = "fsdp"
     lockstep_forward = True     # every forward all-gathers: every rank runs as many
+    sharded = True              # every rank checkpoints its own shards
+
+    def mesh(self, device, args):
+        from torch.distributed.device_mesh import init_device_mesh
+        return init_device_mesh(device.type, (self.size,))
 
     def wrap(self, model, make_optimizer, args, make_compression):
         """fully_shard each block, then the model; the optimizer over the sharded parameters
         (fully_shard replaces them)."""
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from horovod_gift.fsdp import attach
         device = next(model.parameters()).device
-        mesh = init_device_mesh(device.type, (self.size,))
+        mesh = self.mesh(device, args)
         policy = MixedPrecisionPolicy(reduce_dtype=torch.float16 if args.compression == "fp16"
                                       else None)
         for block in model.blocks:
@@ -159,11 +166,23 @@ class FsdpEngine(TorchEngine):
         optimizer = make_optimizer(model)
         compressor = None
         if args.compression not in ("none", "fp16"):
-            compressor = attach(model, **gift_options(args))
+            compressor = attach(model, **gift_options(args, node_size=args.node_size))
         return model, optimizer, compressor
+
+
+class HsdpEngine(FsdpEngine):
+    """FSDP2 sharded over the ranks of each node and replicated across nodes: GIFT quantizes the
+    all-reduce across nodes (horovod_gift.fsdp)."""
+    name = "hsdp"
+
+    def mesh(self, device, args):
+        from torch.distributed.device_mesh import init_device_mesh
+        per_node = args.node_size or self.local_size
+        return init_device_mesh(device.type, (self.size // per_node, per_node),
+                                mesh_dim_names=("replicate", "shard"))
 
 
 def make_engine(name, device):
     if name == "horovod":
         return HorovodEngine()
-    return {"ddp": DdpEngine, "fsdp": FsdpEngine}[name](device)
+    return {"ddp": DdpEngine, "fsdp": FsdpEngine, "hsdp": HsdpEngine}[name](device)

@@ -66,8 +66,12 @@ def make_parser(description=__doc__):
     p = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--engine", default="horovod", choices=("horovod", "ddp", "fsdp"),
-                   help="horovod: launch with horovodrun or mpirun; ddp, fsdp: with torchrun")
+    p.add_argument("--engine", default="horovod", choices=("horovod", "ddp", "fsdp", "hsdp"),
+                   help="horovod: launch with horovodrun or mpirun; ddp, fsdp, hsdp (FSDP2 "
+                        "sharded in each node, replicated across): with torchrun")
+    p.add_argument("--node-size", type=int, default=None,
+                   help="ranks a node for --engine hsdp and GIFT's two hops under fsdp "
+                        "(default: torchrun's LOCAL_WORLD_SIZE); set it to simulate nodes")
     p.add_argument("--compression", default="gift-nvfp4", choices=list(COMPRESSIONS))
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
@@ -339,8 +343,9 @@ def heldout_loss(model, batches, args, device, autocast, engine):
 
 def check_engine_flags(args, engine):
     """Refuse, by name, the flags an engine cannot honour."""
-    refused = {"fsdp": [("--start-step", args.start_step), ("--gradient-error",
-                         args.gradient_error or args.gradient_error_by_tensor)]}
+    fsdp = [("--start-step", args.start_step), ("--gradient-error",
+             args.gradient_error or args.gradient_error_by_tensor)]
+    refused = {"fsdp": fsdp, "hsdp": fsdp}
     for flag, given in refused.get(engine.name, []):
         if given:
             raise SystemExit(f"{flag} is not supported with --engine {engine.name}")
@@ -384,7 +389,7 @@ def save_checkpoint(path, engine, model, optimizer, compressor, step):
     state (its error-feedback residuals) beside it, so a job of the same size resumes bit for bit
     and a job of another size resumes with residuals at zero. Under FSDP every rank saves its
     shards of everything to its own file."""
-    if engine.name == "fsdp":
+    if engine.sharded:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                  "compressor": None if compressor is None else compressor.state_dict()}
         torch.save(state, rank_state_path(path, engine.rank))
@@ -405,7 +410,7 @@ def rank_state_path(path, rank):
 def load_checkpoint(path, engine, model, optimizer, compressor):
     """What save_checkpoint saved, back into the model (the unwrapped one), the optimizer and
     GIFT; returns the step."""
-    if engine.name == "fsdp":
+    if engine.sharded:
         ckpt = torch.load(rank_state_path(path, engine.rank), map_location="cpu",
                           weights_only=False)
         if compressor is not None:

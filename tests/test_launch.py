@@ -85,25 +85,26 @@ def torchrun(np, *args, timeout=240):
     )
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
-def test_train_llama_under_torchrun_trains_and_resumes_bit_for_bit(tmp_path, engine):
-    """examples/train_llama.py --engine ddp|fsdp: GIFT's statistics, residuals and step resume
-    with the model and optimizer (FSDP: every rank's own shards)."""
+@pytest.mark.parametrize("engine, ranks", [("ddp", 2), ("fsdp", 2), ("hsdp", 4)])
+def test_train_llama_under_torchrun_trains_and_resumes_bit_for_bit(tmp_path, engine, ranks):
+    """examples/train_llama.py --engine ddp|fsdp|hsdp (HSDP: 2 nodes of 2 ranks): GIFT's
+    statistics, residuals and step resume with the model and optimizer (FSDP: every rank's own
+    shards)."""
     straight, first, resumed = (tmp_path / f"{n}.pt" for n in ("straight", "first", "resumed"))
-    common = [*TRAIN, "--engine", engine, "--compression", "gift-nvfp4"]
+    common = [*TRAIN, "--engine", engine, "--compression", "gift-nvfp4", "--node-size", "2"]
     outputs = []
     for args in (
         [*common, "--steps", "8", "--checkpoint", str(straight)],
         [*common, "--steps", "4", "--checkpoint", str(first)],
         [*common, "--steps", "8", "--resume", str(first), "--checkpoint", str(resumed)],
     ):
-        result = torchrun(2, *args)
+        result = torchrun(ranks, *args)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
         outputs.append(result.stdout)
     assert f"with --engine {engine} --compression gift-nvfp4" in outputs[0]
     assert "bits per gradient element" in outputs[0]
     files = ([(straight, resumed)] if engine == "ddp" else
-             [(f"{straight}.gift-rank{r}", f"{resumed}.gift-rank{r}") for r in range(2)])
+             [(f"{straight}.gift-rank{r}", f"{resumed}.gift-rank{r}") for r in range(ranks)])
     for a_path, b_path in files:
         a = torch.load(a_path, weights_only=False)["model"]
         b = torch.load(b_path, weights_only=False)["model"]
