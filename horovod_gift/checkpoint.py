@@ -16,6 +16,24 @@ from .telemetry import logger
 from .topology import owned_pieces
 
 
+def check_ranks_agree(comm, config):
+    """Collective over comm, at the first step and the first after load_state_dict: every rank
+    raises the same error if config (the configuration, the model's parameters, the step count)
+    differs across them. Every frontend's (GIFT, GiftState, FSDP's) check."""
+    configs = comm.allgather_object(config, "gift.config")
+    if all(c == configs[0] for c in configs):
+        return
+    diff = sorted({k for c in configs for k in c if c.get(k) != configs[0].get(k)})
+    hint = {"model": " (the model's parameter names or shapes, or the buckets, differ)",
+            "linear": " (the linear layers whitened differ: call gift.register_linear on "
+                      "every rank)",
+            "step": " (load the compressor's state_dict on every rank, not only on one)"}
+    per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{k}={c.get(k)!r}" for k in diff)
+                         for r, c in enumerate(configs))
+    raise ValueError(f"GIFT configuration differs across ranks in {', '.join(diff)}: "
+                     + per_rank + "".join(hint.get(k, "") for k in diff))
+
+
 class Checkpointing:
     """Checkpoints and rank agreement of GIFT (which holds the state these methods read)."""
 
@@ -77,22 +95,8 @@ class Checkpointing:
         self.telemetry.restart(self.step)
 
     def _check_ranks_agree(self):
-        """Collective, at the first step and the first after load_state_dict: every rank raises
-        the same error if the configuration, the model's parameters or the step count differ."""
-        configs = self.comm.allgather_object(
-            dict(self.config(), step=self.step, topology=self.topology.description),
-            "gift.config")
-        if all(c == configs[0] for c in configs):
-            return
-        diff = sorted({k for c in configs for k in c if c.get(k) != configs[0].get(k)})
-        hint = {"model": " (the model's parameter names or shapes, or the buckets, differ)",
-                "linear": " (the linear layers whitened differ: call gift.register_linear on "
-                          "every rank)",
-                "step": " (load the compressor's state_dict on every rank, not only on one)"}
-        per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{k}={c.get(k)!r}" for k in diff)
-                             for r, c in enumerate(configs))
-        raise ValueError(f"GIFT configuration differs across ranks in {', '.join(diff)}: "
-                         + per_rank + "".join(hint.get(k, "") for k in diff))
+        check_ranks_agree(self.comm, dict(self.config(), step=self.step,
+                                          topology=self.topology.description))
 
     def state_dict(self, rank_state=True):
         """The shared state (step, configuration, whitening statistics and factors, transform

@@ -155,7 +155,7 @@ class Codec:
         with the same slice of residual and (folded_bits) maxima[p], into out[offsets[p]:];
         each piece's rounding seed is piece_seeds(seed, ...) of its chunk. Returns tensors of
         bounds on the pieces' magnitudes (their amax, or amax_bound; not finite for a piece that
-        was not), for ErrorFeedback.scrub. One native call on the CPU, with an fp32 residual or
+        was not), for feedback.scrub. One native call on the CPU, with an fp32 residual or
         none (large pieces apart when several threads can share each), one or two Triton
         launches on a GPU; a call per piece otherwise."""
         count = len(pieces.starts)

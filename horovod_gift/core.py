@@ -21,7 +21,7 @@ from .checkpoint import Checkpointing
 from .codec import Codec
 from .collective import fill_buckets
 from .config import REFRESH_EVERY, STAT_WINDOW, GiftConfig  # noqa: F401 (benchmarks read them)
-from .feedback import ErrorFeedback
+from .feedback import ErrorFeedback, scrub
 from .kernels.native import CompileCount
 from .linear_layers import linear_readers
 from .pipeline import StagePipeline
@@ -244,7 +244,7 @@ class GiftCore(Checkpointing, Reporting):
         """Residuals made non-finite by this step's gradients back to zero: one verdict for every
         bucket of the step (one host sync on a GPU), before the next step reads them."""
         if self.feedback:
-            self.feedback.scrub(*pipeline.residuals())
+            scrub(*pipeline.residuals())
 
     def end_step(self, voted=True):
         """After every result of the step was read. voted: the step's "auto" vote was started

@@ -73,27 +73,6 @@ class ErrorFeedback:
             self.stage2[bucket] = self._zeros(owned, device)
         return self.stage2[bucket]
 
-    def scrub(self, residuals, amax_bounds):
-        """A non-finite gradient must not poison later steps through its residual. amax_bounds:
-        bounds on the magnitudes of every encode that updated these residuals (its input's amax,
-        or Codec.amax_bound: the largest code times the largest scale). A residual is its
-        encode's input less a dequantized value, both at most about the bound, so when every
-        bound is under FINITE_AMAX every residual is
-        finite and none is read. Otherwise each is summed: a sum is non-finite if any element
-        is (or on overflow, where scrubbing changes nothing), and 30x cheaper than isfinite.
-        One verdict for all of them (one host sync on a GPU)."""
-        residuals = [r for r in residuals if r is not None and r.numel()]
-        if not residuals:
-            return
-        if amax_bounds and bool((torch.cat(amax_bounds) < FINITE_AMAX).all()):
-            return
-        sums = torch.stack([r.sum(dtype=torch.float32) for r in residuals])
-        if bool(torch.isfinite(sums).all()):
-            return
-        for r, total in zip(residuals, sums.tolist()):
-            if not math.isfinite(total):
-                r.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-
     def fold(self, owned, scale):
         """Move each r2 into the r1 of its parameters, so both live in per-parameter coordinates.
         owned(sizes): the (tensor, lo, hi) parts of a bucket of tensors with these sizes that r2
@@ -158,6 +137,27 @@ class ErrorFeedback:
 
     def tensors(self):
         return list(self.stage1.values()) + list(self.stage2.values())
+
+
+def scrub(residuals, amax_bounds):
+    """A non-finite gradient must not poison later steps through its residual. amax_bounds:
+    bounds on the magnitudes of every encode that updated these residuals (its input's amax, or
+    Codec.amax_bound: the largest code times the largest scale). A residual is its encode's input
+    less a dequantized value, both at most about the bound, so when every bound is under
+    FINITE_AMAX every residual is finite and none is read. Otherwise each is summed: a sum is
+    non-finite if any element is (or on overflow, where scrubbing changes nothing), and 30x
+    cheaper than isfinite. One verdict for all of them (one host sync on a GPU)."""
+    residuals = [r for r in residuals if r is not None and r.numel()]
+    if not residuals:
+        return
+    if amax_bounds and bool((torch.cat(amax_bounds) < FINITE_AMAX).all()):
+        return
+    sums = torch.stack([r.sum(dtype=torch.float32) for r in residuals])
+    if bool(torch.isfinite(sums).all()):
+        return
+    for r, total in zip(residuals, sums.tolist()):
+        if not math.isfinite(total):
+            r.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def fold_into(r1s, r2, parts, scale):

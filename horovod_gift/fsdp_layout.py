@@ -10,7 +10,8 @@ import torch
 from .codec import Codec, TensorPieces
 from .collective import mix_seed, name_key, timed_wait
 from .config import GiftConfig
-from .feedback import FINITE_AMAX
+from .checkpoint import check_ranks_agree
+from .feedback import scrub
 from .fsdp_internals import param_group, trained_fsdp_params
 from .linear_layers import linear_readers
 from .statistics import WhiteningStatistics
@@ -162,9 +163,8 @@ class FsdpGiftState:
         """After backward: the residuals an encode of this step may have made non-finite back
         to zero (one verdict for the whole step: one host sync), and the step counted."""
         bounds, self._bounds = self._bounds, []
-        if bounds and not bool((torch.cat(bounds) < FINITE_AMAX).all()):
-            for residual in list(self.residuals.values()) + self.hops.second_stage_residuals():
-                residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        if bounds:
+            scrub(list(self.residuals.values()) + self.hops.second_stage_residuals(), bounds)
         self.step += 1
         self._task = None
         self.telemetry.end_step(self.step, lambda: {}, self.comm.rank == 0)
@@ -264,14 +264,8 @@ class FsdpGiftState:
                     model=hashlib.sha256(repr(shapes).encode()).hexdigest()[:16])
 
     def _check_ranks_agree(self):
-        configs = self.comm.allgather_object(
-            dict(self.config(), step=self.step, topology=self.hops.description), "gift.config")
-        diff = sorted({k for c in configs for k in c if c.get(k) != configs[0].get(k)})
-        if diff:
-            raise ValueError("GIFT configuration differs across ranks in " + ", ".join(diff)
-                             + ": " + "; ".join(f"rank {r}: " + ", ".join(
-                                 f"{k}={c.get(k)!r}" for k in diff)
-                                 for r, c in enumerate(configs)))
+        check_ranks_agree(self.comm, dict(self.config(), step=self.step,
+                                          topology=self.hops.description))
 
     def state_dict(self):
         """The step, configuration and whitening statistics, and this rank's residuals and
