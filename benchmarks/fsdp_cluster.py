@@ -40,6 +40,9 @@ def report(results, args, elements, wall):
              "in the second half of the steps, per step and gradient element: parameter "
              "all-gathers (fp32 in every arm) and gradient reductions together, over gloo "
              "(whose reduce-scatter and all-gather algorithms are not NCCL's). "
+             "Typical step: the median step of that half, one without GIFT's refresh of its "
+             "whitening statistics (every 4 steps an fp32 all-reduce over every rank, large "
+             "on this small model: 2 % of the gradient at Llama-8B shapes, cluster.md). "
              "GIFT's count: the bytes its quantized hop handed to gloo, all ranks of a node "
              "summed, per step (the gradients alone: under 1-D FSDP the link also carries the "
              "parameter all-gathers). "
@@ -50,11 +53,12 @@ def report(results, args, elements, wall):
                 f"{args.target_step}" if target else f"{args.short_steps} steps, bytes only")
         lines += [f"## {config} ({what}; node link measured {rates[0] / 1e6:.0f} / "
                   f"{rates[1] / 1e6:.0f} Mbit/s)", "",
-                  f"| arm | B / gradient element / node link | vs {BYTES_BASELINE} | GIFT's "
+                  f"| arm | B / gradient element / node link | vs {BYTES_BASELINE} | typical "
+                  f"step: B / element | vs {BYTES_BASELINE} | GIFT's "
                   "quantized gradients: B / element / node | time to "
                   f"target (s) | vs {BASELINE} | step (s) | final held-out | vs {BASELINE} (%) "
                   "| GIFT residual B / parameter / rank | peak RSS / rank (MB) |",
-                  "|---" * 11 + "|"]
+                  "|---" * 13 + "|"]
         seeds = sorted({seed for _, seed in runs})
         base, bytes_base = table[BASELINE], table[BYTES_BASELINE]
         for arm, m in table.items():
@@ -64,12 +68,17 @@ def report(results, args, elements, wall):
             rss = [statistics.median(runs[arm, s]["max_rss_bytes"]) / 2 ** 20 for s in seeds]
             loss = [100 * (f / b - 1) for f, b in zip(m["final"], base["final"])]
             nodes, per_node, _ = cluster.parse_config(config)
+            typical = [cluster.typical_step_bytes(runs[arm, s]) / elements for s in seeds]
+            typical_base = [cluster.typical_step_bytes(runs[BYTES_BASELINE, s]) / elements
+                            for s in seeds]
             gift = [sum(runs[arm, s]["gift_bytes_sent"]) / nodes / len(runs[arm, s]["rows"])
                     / elements for s in seeds]
             times = cluster.ratio(base["time"], m["time"])
             lines.append(
                 f"| {arm} | {peers.fmt(per_element)} | "
                 f"{peers.fmt([v / b for v, b in zip(m['bytes'], bytes_base['bytes'])])}x | "
+                f"{peers.fmt(typical)} | "
+                f"{peers.fmt([v / b for v, b in zip(typical, typical_base)])}x | "
                 f"{peers.fmt(gift) if any(gift) else '-'} | "
                 f"{peers.fmt(m['time'], 1)} | {peers.fmt(times) + 'x' if times else '-'} | "
                 f"{peers.fmt(m['seconds'], 3)} | {peers.fmt(m['final'], 4)} | "
