@@ -151,9 +151,10 @@ class GiftConfig:
                 raise ValueError(f"GIFT: {what} must be a positive int, got {value!r}")
         if not self.damping > 0:
             raise ValueError(f"GIFT: damping must be positive, got {self.damping!r}")
-        if not isinstance(self.start_step, int) or self.start_step < 0:
-            raise ValueError(f"GIFT: start_step must be a non-negative int, got "
-                             f"{self.start_step!r}")
+        for what in ("start_step", "log_every"):
+            value = getattr(self, what)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"GIFT: {what} must be a non-negative int, got {value!r}")
         if self.grad_scaler is not None and not callable(getattr(self.grad_scaler, "get_scale",
                                                                  None)):
             raise TypeError(f"GIFT: grad_scaler must be a torch.amp.GradScaler, "
@@ -162,7 +163,8 @@ class GiftConfig:
             raise ValueError(f"GIFT: residual_dtype must be one of {RESIDUAL_DTYPES}, "
                              f"got {self.residual_dtype!r}")
         block = self.hadamard_block
-        if not isinstance(block, int) or block < 1 or block & (block - 1):
+        if (isinstance(block, bool) or not isinstance(block, int) or block < 1
+                or block & (block - 1)):
             raise ValueError(f"GIFT: hadamard_block must be a power of two, got {block!r}")
         if self.param_format not in PARAM_FORMATS:
             raise ValueError(f"GIFT: param_format must be one of {PARAM_FORMATS}, got "

@@ -24,6 +24,8 @@ BAD = [  # option, a bad value, what the error must say
     ("stat_window", "5", "stat_window must be a positive int"),
     ("damping", 0.0, "damping must be positive, got 0.0"),
     ("start_step", -1, "start_step must be a non-negative int, got -1"),
+    ("log_every", -2, "log_every must be a non-negative int, got -2"),
+    ("hadamard_block", True, "hadamard_block must be a power of two, got True"),
     ("residual_dtype", torch.float16, "residual_dtype must be one of"),
     ("hadamard_block", 100, "hadamard_block must be a power of two, got 100"),
     ("param_format", "int8", "param_format must be one of .*, got 'int8'"),
