@@ -72,6 +72,9 @@ def run_config(config, timed, args):
             order = args.arms[i % len(args.arms):] + args.arms[:i % len(args.arms)]
             for arm in order:
                 out = out_dir / f"{arm}-s{seed}.json"
+                if config in args.resume and out.exists():     # an interrupted study goes on
+                    runs[arm, seed] = json.loads(out.read_text())
+                    continue
                 seconds = peers.launch(ranks, arm, seed, args.steps if timed else args.short_steps,
                                        args, out, per_node=per_node,
                                        extra=["--node-size", str(per_node)])
@@ -180,6 +183,8 @@ def parse_args():
     p.add_argument("--reuse", nargs="*", default=[],
                    help="configurations whose runs (and link rates) are read from runs/cluster/ "
                         "as an earlier invocation left them, not run again")
+    p.add_argument("--resume", nargs="*", default=[],
+                   help="configurations whose runs already in runs/cluster/ are kept: the rest run")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cluster.md"))
     args = p.parse_args()
     args.command = " ".join([".venv/bin/python", "benchmarks/cluster.py"] + sys.argv[1:])

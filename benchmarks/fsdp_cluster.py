@@ -102,6 +102,8 @@ def parse_args():
     peers.add_training_flags(p)
     p.add_argument("--reuse", nargs="*", default=[],
                    help="configurations whose runs are read from runs/cluster/, not run again")
+    p.add_argument("--resume", nargs="*", default=[],
+                   help="configurations whose runs already in runs/cluster/ are kept: the rest run")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fsdp_cluster.md"))
     args = p.parse_args()
     args.command = " ".join([".venv/bin/python", "benchmarks/fsdp_cluster.py"] + sys.argv[1:])

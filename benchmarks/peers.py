@@ -50,6 +50,7 @@ def launch(ranks, arm, seed, steps, args, out, per_node=1, extra=()):
                "--mca", "btl_tcp_if_include", net.IFNAME, "-x", "OMP_NUM_THREADS=1",
                "-x", f"MASTER_ADDR={net.address(0)}", "-x", "MASTER_PORT=29431",
                "-x", f"GLOO_SOCKET_IFNAME={net.IFNAME}", "-x", "PATH",
+               "-x", f"PYTHONPATH={ROOT}",      # this tree's library, not the editable install's
                "bash", "-c",
                f'exec ip netns exec {net.PREFIX}$((OMPI_COMM_WORLD_RANK / {per_node})) "$@"',
                "rank",
