@@ -31,6 +31,7 @@ from torch.profiler import record_function
 from . import horovod_internals as internals
 from .config import with_options
 from .core import GiftCore, sparse_gradient_parameters
+from .state_base import NOTHING_PENDING
 from .horovod_frontend import HorovodCommunicator, horovod_topology
 
 HOROVOD_DTYPES = (torch.float16, torch.float32, torch.float64)
@@ -115,7 +116,7 @@ class GIFT(GiftCore, Compressor):
         serving = (self.process_set, self.average) if self._optimizer is not None else None
         internals.check_optimizer(optimizer, self.requested_process_set, serving)
         self.process_set = optimizer.process_set
-        self.comm = self.statistics.comm = HorovodCommunicator(self.process_set)
+        self.set_comm(HorovodCommunicator(self.process_set))
         if (self.topology is None or self.topology.comm.process_set.process_set_id
                 != self.process_set.process_set_id):
             self.topology = horovod_topology(self.topology_request, self.node_size,
@@ -180,7 +181,7 @@ class GIFT(GiftCore, Compressor):
         if self.current.joined:     # every tensor takes Horovod's fp32 path; nothing else runs
             self.telemetry.add(joined_steps=1)
             self.current.plain = True
-            if self._pending_rank_state is not False:
+            if self._pending_rank_state is not NOTHING_PENDING:
                 self._load_rank_state(self._pending_rank_state)
             self.statistics.advance()
             return

@@ -17,8 +17,8 @@ import gc
 import torch
 from torch.profiler import record_function
 
-from .checkpoint import Checkpointing
-from .codec import Codec
+from horovod_gift.kernels.hadamard import LANES
+
 from .collective import fill_buckets
 from .config import REFRESH_EVERY, STAT_WINDOW, GiftConfig  # noqa: F401 (benchmarks read them)
 from .feedback import ErrorFeedback, scrub
@@ -26,13 +26,13 @@ from .kernels.native import CompileCount
 from .linear_layers import linear_readers
 from .pipeline import StagePipeline
 from .rotation import HadamardRotation
-from .statistics import WhiteningStatistics
-from .telemetry import Reporting, Telemetry, logger
+from .state_base import NOTHING_PENDING, GiftStateBase, fingerprint
+from .telemetry import Reporting, logger
+from .topology import owned_pieces
 from .transforms import WHITENING_TRANSFORMS, TransformPlan
 
 
-
-class GiftCore(Checkpointing, Reporting):
+class GiftCore(GiftStateBase, Reporting):
     """State of the low-precision gradient exchange for one model.
 
     format: "nvfp4" | "fp8_e4m3" | "fp8_e5m2"; block_size: FP8 scale block (None: per tensor);
@@ -95,48 +95,35 @@ class GiftCore(Checkpointing, Reporting):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"GIFT: expected the torch.nn.Module being trained, "
                             f"got {type(model).__name__}")
-        self.options = config = GiftConfig.of(config, GiftConfig, options)
+        config = GiftConfig.of(config, GiftConfig, options)
         config.refuse_param_format("GIFT")
-        format, transform, seed = config.format, config.transform, config.seed
-        min_elements, residual_dtype = config.min_elements, config.residual_dtype
-        rotation = HadamardRotation(config.hadamard_block, seed)
         params = list(model.named_parameters())
         trainable = [(n, p) for n, p in params if p.requires_grad]
         if not trainable:
             raise ValueError("GIFT: the model has no trainable parameters")
-        self.codec = Codec(format, config.block_size, config.rounding, seed)
-        self.transform, self.error_feedback = transform, config.error_feedback
-        self.nonfinite, self.verbose = config.nonfinite, config.verbose
-        self.min_elements, self.residual_dtype = min_elements, residual_dtype
-        self.comm = comm
+        compressed = [n for n, p in reversed(trainable)           # backward order
+                      if p.numel() >= config.min_elements and n not in uncompressed]
+        # only tensors that are compressed can be whitened
+        whitenable = ({n: dict(params)[n] for n in compressed}
+                      if config.transform in WHITENING_TRANSFORMS else {})
+        super().__init__(model, config, whitenable, comm)
+        self.nonfinite = config.nonfinite
         self.topology_request, self.node_size = config.topology, config.node_size
         self.topology = None            # the frontend's Topology, chosen before the first step
         self.average = True             # a sum when False
-        self.params = dict(params)
-        compressed = [n for n, p in reversed(trainable)           # backward order
-                      if p.numel() >= min_elements and n not in uncompressed]
         # the linear layers found, whatever the transform: ranks must agree on them
         self.linear_layers = sorted(
             (name, [(module_name, layout.layout) for module_name, _, layout in modules])
             for name, modules in linear_readers(model, self.params).items())
-        # only tensors that are compressed can be whitened
-        whitenable = ({n: self.params[n] for n in compressed}
-                      if transform in WHITENING_TRANSFORMS else {})
-        self.statistics = WhiteningStatistics(model, whitenable, config.whitening_rank,
-                                              config.damping, config.refresh_every,
-                                              config.stat_window, comm)
-        self.plan = TransformPlan(self.params, transform, self.statistics, rotation)
+        self.plan = TransformPlan(self.params, config.transform, self.statistics,
+                                  HadamardRotation(config.hadamard_block, config.seed))
         self.buckets = fill_buckets(compressed, {n: self.params[n].numel() for n in compressed},
                                     config.bucket_elements)
         self.bucket_of = {n: k for k, names in enumerate(self.buckets) for n in names}
-        self.feedback = (ErrorFeedback(self.params, self.buckets, self.codec.align, residual_dtype)
-                         if config.error_feedback else None)
-        self.step = 0
-        self._verify = True
-        self._pending_rank_state = False  # loaded before the communicator was known: apply later
+        self.feedback = (ErrorFeedback(self.params, self.buckets, self.codec.align,
+                                       config.residual_dtype) if config.error_feedback else None)
         self.start_step, self.grad_scaler = config.start_step, config.grad_scaler
         self._scale = None              # the GradScaler's scale the residuals are in
-        self.telemetry = Telemetry(config.log_every)
         self._compiles_seen = CompileCount.count
 
     def choose_topology(self, make):
@@ -157,13 +144,8 @@ class GiftCore(Checkpointing, Reporting):
         the warm-up). Collective at the first step (the ranks' configurations) and on refresh
         steps. largest_step: the largest step count among the ranks, where the engine learns it
         (ranks back from hvd.join() take it)."""
-        if self._pending_rank_state is not False:
-            self._load_rank_state(self._pending_rank_state)
-        if self._verify:
-            self._check_ranks_agree()
-            self._verify = False
-        elif largest_step is not None:  # a mismatch before the first check is that check's error
-            self.step = largest_step
+        if not self.settle_ranks() and largest_step is not None:
+            self.step = largest_step    # a mismatch before the first check is that check's error
         # warm-up: the engine's fp32 path, while the statistics gather (the factors are ready when
         # compression starts, and the residuals start at zero then)
         compressing = self.step >= self.start_step
@@ -173,15 +155,13 @@ class GiftCore(Checkpointing, Reporting):
         # the steps that follow); step 0 has no earlier batch
         self.plan.begin_step(evaluating=compressing and self.step >= 1
                              and self.statistics.due(self.step))
-        if self.statistics.due(self.step):
-            with record_function("horovod_gift.refresh"):
-                self._change_transforms(lambda: {
-                    name: functools.partial(self.plan.inverse, name, factors=old_factors)
-                    for name, old_factors in self.statistics.refresh().items()})
-        self.statistics.advance()
-        if self.step == 0 and self.verbose and self.comm.rank == 0:
-            logger.info("%s", self.describe())
+        self.refresh_statistics()
         return compressing
+
+    def _refresh(self):
+        self._change_transforms(lambda: {
+            name: functools.partial(self.plan.inverse, name, factors=old_factors)
+            for name, old_factors in self.statistics.refresh().items()})
 
     def _follow_grad_scaler(self):
         """The residuals hold gradients in the GradScaler's units: when its scale changes (growth,
@@ -252,9 +232,7 @@ class GiftCore(Checkpointing, Reporting):
         if self.plan.evaluating and voted:
             with record_function("horovod_gift.vote"):
                 self._change_transforms(self.plan.finish_vote)
-        self.step += 1
-        self.telemetry.end_step(self.step, lambda: self.plan.counts(self.bucket_of),
-                                self.comm.rank == 0)
+        self.count_step(lambda: self.plan.counts(self.bucket_of))
         self.plan.end_step()
         self._collect_after_compiles()
 
@@ -279,6 +257,84 @@ class GiftCore(Checkpointing, Reporting):
         for name, old_inverse in change().items():
             if self.feedback:
                 self.feedback.convert(name, old_inverse, functools.partial(self.plan.forward, name))
+
+
+    # ---------------------------------------------------------------- checks and checkpoints
+    def topology_description(self):
+        return self.topology.description
+
+    def config(self):
+        # the rotation's layout too: saved residuals live in the rotated space, and ranks must
+        # agree on it
+        shapes = [(n, tuple(p.shape)) for n, p in self.params.items()]
+        return dict(super().config(), hadamard_block=self.plan.rotation.block_size,
+                    hadamard_interleave=LANES, nonfinite=self.nonfinite,
+                    start_step=self.start_step, model=fingerprint((self.buckets, shapes)),
+                    linear=fingerprint(self.linear_layers))
+
+    def shared_state(self):
+        return dict(super().shared_state(), plan=self.plan.state_dict())
+
+    def _rank_state(self):
+        """Error-feedback residuals and statistics histories, 1 + 1/n elements per parameter
+        element, with the rank and the number of ranks."""
+        return {"rank": self.comm.rank, "ranks": self.comm.size,
+                "feedback": (self.feedback.state_dict() if self.feedback
+                             else ErrorFeedback.empty_state()),
+                "statistics": self.statistics.local_state_dict(),
+                "grad_scale": self._scale,          # the residuals' units
+                # what r2 covers, and its scale when folded into r1 (None: no step yet, no r2)
+                "topology": self.topology.description if self.topology else None,
+                "average": self.average}
+
+    def load_state_dict(self, state):
+        """The shared part now; the per-rank part if this rank saved it in a job of this size
+        (now, or at the first step once the process set is known), else the residuals restart
+        at zero with one warning."""
+        super().load_state_dict(state)
+        self.plan.load_state_dict(state["plan"])
+        if self.topology is not None:
+            self._load_rank_state(self._pending_rank_state)
+        self._reset_step()
+
+    def _load_rank_state(self, saved):
+        self._pending_rank_state = NOTHING_PENDING
+        n, me = self.comm.size, self.comm.rank
+        if saved is None or (saved["ranks"], saved["rank"]) != (n, me):
+            self._forget_rank_state()
+            why = ("it has no per-rank state" if saved is None else
+                   f"it was saved by rank {saved['rank']} of {saved['ranks']}, "
+                   f"this is rank {me} of {n}")
+            # every rank is in the same case unless only the rank differs: one warning then
+            if me == 0 or (saved is not None and saved["ranks"] == n):
+                logger.warning("GIFT.load_state_dict: %s; error-feedback residuals and statistics "
+                               "histories restart at zero (the rest is kept)", why)
+            return
+        self.statistics.load_local_state_dict(saved["statistics"])
+        self._scale = saved["grad_scale"]
+        if self.feedback:
+            feedback, topology = saved["feedback"], saved.get("topology", ("flat",))
+            if topology not in (None, self.topology.description):   # r2 covers other parts
+                feedback = self.feedback.fold_saved(
+                    feedback, lambda sizes: owned_pieces(topology, sizes, me, n, self.codec),
+                    n if saved.get("average", True) else 1)
+            self.feedback.load_state_dict(feedback,
+                                          lambda k: self.params[self.buckets[k][0]].device)
+
+    def reset_rank_state(self):
+        """Forget what belongs to this rank in this job (error-feedback residuals, statistics
+        histories, the GradScaler scale they are in) and check the ranks agree at the next step:
+        call it on every rank when the number of ranks changes (hvd.elastic's on_state_reset).
+        The nodes and their process sets are chosen again at the next step."""
+        self._forget_rank_state()
+        self.topology, self._optimizer = None, None
+
+    def _forget_rank_state(self):
+        if self.feedback:
+            self.feedback.reset()
+        self.statistics.load_local_state_dict({})
+        self._scale, self._verify = None, True
+        self.telemetry.restart(self.step)
 
 
 def sparse_gradient_parameters(model):

@@ -95,7 +95,7 @@ class GiftState(GiftCore):
                          uncompressed=ignored, **options)
         self.choose_topology(self._topology)
         self.name_of = {id(p): n for n, p in self.params.items()}
-        self._optimizer = None      # what Checkpointing.reset_rank_state clears (Horovod's)
+        self._optimizer = None      # what GiftCore.reset_rank_state clears (Horovod's)
         self._reset_step()
         weakref.finalize(self, self.statistics.remove_hooks)
 
@@ -104,10 +104,10 @@ class GiftState(GiftCore):
                               self.device)
 
     def reset_rank_state(self):
-        """Checkpointing's (call it on every rank when the number of ranks changes), and the
+        """GiftCore's (call it on every rank when the number of ranks changes), and the
         nodes chosen again now: collective over the group."""
         super().reset_rank_state()
-        self.comm = self.statistics.comm = TorchCommunicator(self.process_group, self.device)
+        self.set_comm(TorchCommunicator(self.process_group, self.device))
         self.topology = self._topology()
 
     # ---------------------------------------------------------------- the hook

@@ -137,10 +137,10 @@ def _hops(groups, state, device):
     group = groups_of_mesh[0]
     world = dist.get_world_size()
     spans_world = dist.get_process_group_ranks(group) == list(range(world))
-    if state.topology == "two-hop" and not spans_world:
+    if state.topology_request == "two-hop" and not spans_world:
         raise ValueError("GIFT (FSDP): topology='two-hop' needs the FSDP mesh to hold every rank "
                          "of the default process group, in order; use topology='flat'")
-    kind = state.topology if spans_world else "flat"
+    kind = state.topology_request if spans_world else "flat"
     topology = torch_topology(kind, state.node_size, None if spans_world else group, device)
     if isinstance(topology, TwoHop):
         return TwoHops(topology.comm, topology.node, topology.cross)
@@ -148,7 +148,7 @@ def _hops(groups, state, device):
 
 
 def _hsdp_hops(groups, state, device, shard, replicate):
-    if state.topology == "flat":
+    if state.topology_request == "flat":
         raise ValueError("GIFT (FSDP): topology='flat' does not apply under HSDP: its mesh "
                          "makes the nodes (reduce-scatter inside, all-reduce across replicas)")
     if shard.size() == 1:

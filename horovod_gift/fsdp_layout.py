@@ -2,21 +2,17 @@
 works): where each parameter lies in a group's buffers (GroupLayout), and FsdpGiftState, which
 holds the codec, the whitening statistics, the residuals and the step count of one model, and
 quantizes rows; fsdp_hops.py lays the reduction over nodes."""
-import hashlib
-
 import numpy as np
 import torch
 
-from .codec import Codec, TensorPieces
+from .codec import TensorPieces
 from .collective import mix_seed, name_key, timed_wait
 from .config import GiftConfig
-from .checkpoint import check_ranks_agree
 from .feedback import scrub
 from .fsdp_internals import param_group, trained_fsdp_params
 from .linear_layers import linear_readers
-from .statistics import WhiteningStatistics
-from .telemetry import Telemetry, logger
-
+from .state_base import NOTHING_PENDING, GiftStateBase, fingerprint
+from .telemetry import logger
 
 
 class GroupLayout:
@@ -54,7 +50,7 @@ class GroupLayout:
         return rows[:, start:start + (width or self.shards[i])]
 
 
-class FsdpGiftState:
+class FsdpGiftState(GiftStateBase):
     """GIFT's state for one model under FSDP2: a GiftConfig (GiftConfig.for_fsdp's defaults;
     GiftConfig.refuse_for_fsdp says what FSDP cannot take) or its fields as keywords.
 
@@ -65,42 +61,35 @@ class FsdpGiftState:
     (fsdp_allgather.py).
     """
 
+    label = "GIFT (FSDP)"
+
     def __init__(self, model, config=None, **options):
-        self.options = config = GiftConfig.of(config, GiftConfig.for_fsdp, options)
+        config = GiftConfig.of(config, GiftConfig.for_fsdp, options)
         config.refuse_for_fsdp()
-        min_elements, transform = config.min_elements, config.transform
-        self.codec = Codec(config.format, config.block_size, config.rounding, config.seed)
-        self.topology, self.node_size = config.topology, config.node_size
-        self.param_format = config.param_format
-        self.transform, self.error_feedback = transform, config.error_feedback
-        self.residual_dtype, self.min_elements = config.residual_dtype, min_elements
-        self.verbose = config.verbose
-        self.params = dict(model.named_parameters())
-        self.name_of = {id(p): n for n, p in self.params.items()}
+        params = dict(model.named_parameters())
         # whitened: trained weights of linear modules stored (out, in), whose rows FSDP shards
-        readers = linear_readers(model, self.params) if transform == "whiten" else {}
-        whitenable = {n: self.params[n] for n, modules in readers.items()
-                      if self.params[n].requires_grad and self.params[n].numel() >= min_elements
+        readers = linear_readers(model, params) if config.transform == "whiten" else {}
+        whitenable = {n: params[n] for n, modules in readers.items()
+                      if params[n].requires_grad and params[n].numel() >= config.min_elements
                       and all(layout.layout == "out_in" for _, _, layout in modules)}
-        self.statistics = WhiteningStatistics(model, whitenable, config.whitening_rank,
-                                              config.damping, config.refresh_every,
-                                              config.stat_window, comm=None)
+        super().__init__(model, config, whitenable, comm=None)
+        self.topology_request, self.node_size = config.topology, config.node_size
+        self.param_format = config.param_format
+        self.name_of = {id(p): n for n, p in self.params.items()}
         self.modules = []       # the fully_shard modules whose reduce-scatter is GIFT's
         self.layouts, self.residuals = {}, {}   # module id -> GroupLayout; layout key -> r1
         self.unwhitened = set()  # whitenable weights FSDP shards on another dim than rows
-        self.hops = self.comm = None     # set by attach (fsdp_hops.py)
-        self.step, self._task, self._verify = 0, None, True
+        self.hops = None         # set by attach (fsdp_hops.py)
+        self._task = None        # the autograd graph task of the step under way
         self.device = None       # the gradients' (from the first reduce-scatter)
-        self._pending_rank_state = None
         self._bounds = []        # this step's bounds on the encodes' magnitudes (scrub)
         self._partial = set()    # groups reduced in fp32 (a parameter had no gradient), warned
-        self.telemetry = Telemetry(config.log_every)
 
     # ---------------------------------------------------------------- layout and step
     def use(self, hops):
         """Reduce through hops (fsdp_hops.py): its comm holds every rank."""
-        self.hops, self.comm = hops, hops.comm
-        self.statistics.comm = hops.comm
+        self.hops = hops
+        self.set_comm(hops.comm)
 
     def begin(self, module, buffer, group):
         """At each reduce-scatter: the step's start at a backward's first (_begin_step); the
@@ -139,21 +128,8 @@ class FsdpGiftState:
         if task != -1 and task == self._task:
             return
         self._task = task
-        if self._pending_rank_state is not None:
-            self._load_rank_state(self._pending_rank_state)
-        if self._verify:
-            self._check_ranks_agree()
-            self._verify = False
-        if self.statistics.due(self.step):
-            self.hops.fold_second_stage(self)
-            for name, old in self.statistics.refresh().items():
-                if name not in self.unwhitened:
-                    self._convert_residuals(name, old)
-        self.statistics.advance()
-        if self.step == 0 and self.verbose and self.comm.rank == 0:
-            logger.info("GIFT (FSDP) %s, transform=%s, %s: %d weights whitened",
-                        self.codec.format, self.transform, self.hops.describe(),
-                        len(self.statistics.whitening))
+        self.settle_ranks()
+        self.refresh_statistics()
         if task != -1:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_step)
         else:
@@ -165,9 +141,18 @@ class FsdpGiftState:
         bounds, self._bounds = self._bounds, []
         if bounds:
             scrub(list(self.residuals.values()) + self.hops.second_stage_residuals(), bounds)
-        self.step += 1
         self._task = None
-        self.telemetry.end_step(self.step, lambda: {}, self.comm.rank == 0)
+        self.count_step()
+
+    def _refresh(self):
+        self.hops.fold_second_stage(self)
+        for name, old in self.statistics.refresh().items():
+            if name not in self.unwhitened:
+                self._convert_residuals(name, old)
+
+    def describe(self):
+        return (f"GIFT (FSDP) {self.codec.format}, transform={self.transform}, "
+                f"{self.hops.describe()}: {len(self.statistics.whitening)} weights whitened")
 
     def _whitened(self, layout):
         return [(i, self.statistics.whitening[n]) for i, n in enumerate(layout.names)
@@ -253,45 +238,24 @@ class FsdpGiftState:
                 part.copy_(whitening.forward(x, out=x).view(part.shape))
 
     # ---------------------------------------------------------------- checks and checkpoints
+    def topology_description(self):
+        return self.hops.description
+
     def config(self):
         shapes = [(n, tuple(p.shape)) for n, p in self.params.items()]
-        return dict(format=self.codec.format, block_size=self.codec.block_size,
-                    rounding=self.codec.rounding, seed=self.codec.seed, transform=self.transform,
-                    error_feedback=self.error_feedback, residual_dtype=str(self.residual_dtype),
-                    min_elements=self.min_elements, whitening_rank=self.statistics.rank,
-                    damping=self.statistics.damping, refresh_every=self.statistics.refresh_every,
-                    stat_window=self.statistics.window, param_format=self.param_format,
-                    model=hashlib.sha256(repr(shapes).encode()).hexdigest()[:16])
+        return dict(super().config(), param_format=self.param_format,
+                    model=fingerprint(shapes))
 
-    def _check_ranks_agree(self):
-        check_ranks_agree(self.comm, dict(self.config(), step=self.step,
-                                          topology=self.hops.description))
-
-    def state_dict(self):
-        """The step, configuration and whitening statistics, and this rank's residuals and
-        statistics histories (usable by the same rank of a job of the same size)."""
-        rank_state = self._pending_rank_state    # loaded, not applied yet
-        if rank_state is None and self.comm is not None:
-            rank_state = {"rank": self.comm.rank, "ranks": self.comm.size,
-                          "topology": self.hops.description,
-                          "residuals": {k: r.to("cpu", copy=True)
-                                        for k, r in self.residuals.items()},
-                          "second_stage": self.hops.rank_state(),
-                          "statistics": self.statistics.local_state_dict()}
-        return {"step": self.step, "config": self.config(),
-                "statistics": self.statistics.state_dict(), "rank_state": rank_state}
-
-    def load_state_dict(self, state):
-        if state["config"] != self.config():
-            raise ValueError(f"GIFT (FSDP).load_state_dict: saved with {state['config']}, "
-                             f"this state is {self.config()}")
-        self.step = state["step"]
-        self.statistics.load_state_dict(state["statistics"])
-        self._pending_rank_state = state["rank_state"] or {}
-        self._verify = True
+    def _rank_state(self):
+        return {"rank": self.comm.rank, "ranks": self.comm.size,
+                "topology": self.hops.description,
+                "residuals": {k: r.to("cpu", copy=True) for k, r in self.residuals.items()},
+                "second_stage": self.hops.rank_state(),
+                "statistics": self.statistics.local_state_dict()}
 
     def _load_rank_state(self, saved):
-        self._pending_rank_state = None
+        self._pending_rank_state = NOTHING_PENDING
+        saved = saved or {}
         here = (self.comm.rank, self.comm.size, self.hops.description)
         if (saved.get("rank"), saved.get("ranks"), saved.get("topology", ("flat",))) != here:
             if self.comm.rank == 0:

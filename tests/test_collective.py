@@ -187,7 +187,7 @@ def test_codec_modules_and_torch_frontends_import_without_horovod():
         "sys.modules['horovod'] = None\n"
         "sys.modules['horovod.torch'] = None\n"
         "import horovod_gift.collective, horovod_gift.feedback, horovod_gift.transforms\n"
-        "import horovod_gift.statistics, horovod_gift.checkpoint, horovod_gift.communicator\n"
+        "import horovod_gift.statistics, horovod_gift.state_base, horovod_gift.communicator\n"
         "import horovod_gift.core, horovod_gift.ddp, horovod_gift.fsdp\n"
         "from horovod_gift.ddp import GiftState, gift_hook\n"
         "from horovod_gift.fsdp import GiftReduceScatter, attach\n"

@@ -1,0 +1,161 @@
+"""What every GIFT state of a model holds and does, whatever reduces its gradients: core.GiftCore
+(buckets, for Horovod and DDP) and fsdp_layout.FsdpGiftState (FSDP's rows) are its two kinds.
+
+It holds the configuration, the codec, the whitening statistics, the counters and the step, and
+runs what a step shares in every engine: a loaded per-rank state applied once the ranks are
+known, the ranks' agreement on the configuration (check_ranks_agree) at the first step and the
+first after a load, the statistics' refresh on due steps, the step's count, and checkpoints:
+state_dict() holds a shared part (step, configuration,
+whitening statistics and factors, ...), the same on every rank, and a per-rank part (error-
+feedback residuals, statistics histories) that only the rank that saved it, in a job of the same
+size and topology, can use. The configuration is also what ranks compare at their first step and
+the first after a load, so a job whose ranks differ raises on every rank instead of hanging or
+training on wrong gradients. A kind says how its residuals follow a refresh (_refresh), what its
+per-rank state is (_rank_state, _load_rank_state) and what it adds to the configuration.
+"""
+import hashlib
+
+from torch.profiler import record_function
+
+from .codec import Codec
+from .statistics import WhiteningStatistics
+from .telemetry import Telemetry, logger
+
+NOTHING_PENDING = False     # no loaded per-rank state waits (None is one: "saved without it")
+
+
+def check_ranks_agree(comm, config):
+    """Collective over comm, at the first step and the first after load_state_dict: every rank
+    raises the same error if config (the configuration, the model's parameters, the step count)
+    differs across them. Every frontend's (GIFT, GiftState, FSDP's) check."""
+    configs = comm.allgather_object(config, "gift.config")
+    if all(c == configs[0] for c in configs):
+        return
+    diff = sorted({k for c in configs for k in c if c.get(k) != configs[0].get(k)})
+    hint = {"model": " (the model's parameter names or shapes, or the buckets, differ)",
+            "linear": " (the linear layers whitened differ: call gift.register_linear on "
+                      "every rank)",
+            "step": " (load the compressor's state_dict on every rank, not only on one)"}
+    per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{k}={c.get(k)!r}" for k in diff)
+                         for r, c in enumerate(configs))
+    raise ValueError(f"GIFT configuration differs across ranks in {', '.join(diff)}: "
+                     + per_rank + "".join(hint.get(k, "") for k in diff))
+
+
+class GiftStateBase:
+    """label: the name errors and logs give this kind of state."""
+    label = "GIFT"
+
+    def __init__(self, model, config, whitenable, comm):
+        """config: the GiftConfig; whitenable: name -> weight of those the whitening may take;
+        comm: the Communicator of the ranks, or None until the kind learns it (set_comm)."""
+        self.options = config
+        self.codec = Codec(config.format, config.block_size, config.rounding, config.seed)
+        self.transform, self.error_feedback = config.transform, config.error_feedback
+        self.min_elements, self.residual_dtype = config.min_elements, config.residual_dtype
+        self.verbose = config.verbose
+        self.params = dict(model.named_parameters())
+        self.comm = comm
+        self.statistics = WhiteningStatistics(model, whitenable, config.whitening_rank,
+                                              config.damping, config.refresh_every,
+                                              config.stat_window, comm)
+        self.telemetry = Telemetry(config.log_every)
+        self.step = 0
+        self._verify = True       # check the ranks agree at the next step
+        self._pending_rank_state = NOTHING_PENDING   # loaded before the ranks were known
+
+    def set_comm(self, comm):
+        self.comm = self.statistics.comm = comm
+
+    # ---------------------------------------------------------------- a step's shared parts
+    def settle_ranks(self):
+        """At a step's start, on every rank: a loaded per-rank state applied, and the ranks'
+        agreement checked (collective) if due. Returns whether it was checked."""
+        if self._pending_rank_state is not NOTHING_PENDING:
+            self._load_rank_state(self._pending_rank_state)
+        if not self._verify:
+            return False
+        check_ranks_agree(self.comm, dict(self.config(), step=self.step,
+                                          topology=self.topology_description()))
+        self._verify = False
+        return True
+
+    def refresh_statistics(self):
+        """The whitening statistics refreshed on due steps (collective), the residuals following
+        (_refresh), then this step's statistics started; the description logged at step 0."""
+        if self.statistics.due(self.step):
+            with record_function("horovod_gift.refresh"):
+                self._refresh()
+        self.statistics.advance()
+        if self.step == 0 and self.verbose and self.comm.rank == 0:
+            logger.info("%s", self.describe())
+
+    def count_step(self, plans=dict):
+        """The step done: counted, and logged every log_every steps. plans: the counts of each
+        transform, when asked."""
+        self.step += 1
+        self.telemetry.end_step(self.step, plans, self.comm.rank == 0)
+
+    # ---------------------------------------------------------------- what a kind says
+    def topology_description(self):
+        raise NotImplementedError
+
+    def describe(self):
+        raise NotImplementedError
+
+    def _refresh(self):
+        """New whitening factors (self.statistics.refresh()), and the residuals in them."""
+        raise NotImplementedError
+
+    def _rank_state(self):
+        raise NotImplementedError
+
+    def _load_rank_state(self, saved):
+        """Apply saved (a _rank_state(), or None) if this rank made it in a job like this one,
+        else zero the residuals with a warning; clears the pending state."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- checkpoints
+    def config(self):
+        """What ranks must agree on and a checkpoint must match: what changes the numbers."""
+        return dict(format=self.codec.format, block_size=self.codec.block_size,
+                    rounding=self.codec.rounding, seed=self.codec.seed, transform=self.transform,
+                    error_feedback=self.error_feedback, residual_dtype=str(self.residual_dtype),
+                    min_elements=self.min_elements, whitening_rank=self.statistics.rank,
+                    damping=self.statistics.damping, refresh_every=self.statistics.refresh_every,
+                    stat_window=self.statistics.window)
+
+    def shared_state(self):
+        return {"step": self.step, "config": self.config(),
+                "statistics": self.statistics.state_dict()}
+
+    def state_dict(self, rank_state=True):
+        """The shared state (step, configuration, whitening statistics and factors, ...), the
+        same on every rank, and, unless rank_state=False, this rank's own (error-feedback
+        residuals and statistics histories, with the rank and the number of ranks). Not
+        collective. To resume bit for bit, every rank saves its own (one file per rank); the
+        shared part alone resumes on any number of ranks, residuals at zero."""
+        state = dict(self.shared_state(), rank_state=None)
+        if rank_state and self._pending_rank_state is not NOTHING_PENDING:
+            state["rank_state"] = self._pending_rank_state     # loaded, not applied yet
+        elif rank_state and self.comm is not None:
+            state["rank_state"] = self._rank_state()
+        return state
+
+    def load_state_dict(self, state):
+        """Load a state_dict(): the shared part now, the per-rank part at the next step (or now,
+        where the ranks are known: apply_loaded); the ranks check they agree at that step."""
+        if state["config"] != self.config():
+            raise ValueError(f"{self.label}.load_state_dict: saved with {state['config']}, "
+                             f"this state is {self.config()}")
+        self.step = state["step"]
+        self.statistics.load_state_dict(state["statistics"])
+        self._pending_rank_state = state["rank_state"]
+        self._verify = True
+        self.telemetry.restart(self.step)
+
+
+def fingerprint(value):
+    """A short digest of value's repr: what ranks compare of the model's parameters."""
+    return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
+
