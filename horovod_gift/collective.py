@@ -300,3 +300,49 @@ class Fp32Reduction:
         if self.stage == 1:
             self.exchange()
         return self._handle.wait()[: self.flat.numel()]
+
+
+class RowReduction:
+    """FSDP's quantized reduce-scatter of a group's rows (fsdp_layout.GroupLayout): row k of
+    every rank to comm's rank k, which decodes them and sums them in fp32, in rank order, as
+    BucketReduction's stage 1 does, with no stage 2 (nobody else needs the sum). Tensors under
+    min_elements (the layout's small ones) travel in fp32 in the same alltoall. residual: the
+    rank's stage-1 residual over every row it quantizes (None: no error feedback)."""
+
+    def __init__(self, layout, codec, comm, residual, seed):
+        self.layout, self.codec, self.comm = layout, codec, comm
+        self.residual, self.seed = residual, seed
+        self.amax_bounds = []   # bounds on each piece encoded with a residual (feedback.scrub)
+        self.counts = {}        # Telemetry's counters of this reduction
+
+    def run(self, rows, divisor):
+        """This rank's row of the sum of every rank's rows (fp32), divided by divisor."""
+        layout, n, device = self.layout, self.layout.ranks, rows.device
+        send = torch.empty(n * layout.row_bytes, dtype=torch.uint8, device=device)
+        send_rows = send.view(n, layout.row_bytes)
+        # a bf16 residual through an fp32 copy: the codec's one-call paths take fp32 ones (else
+        # a call per piece: ranks x parameters of them)
+        residual = self.residual
+        wide = None if residual is None else residual.to(torch.float32)
+        if len(layout.pieces.starts):
+            self.amax_bounds += self.codec.encode_pieces(rows.view(-1), wide, layout.pieces,
+                                                         send, self.seed)
+        if residual is not None and wide is not residual:
+            residual.copy_(wide)
+        small = np.flatnonzero(layout.small).tolist()
+        for i in small:
+            layout.columns(send_rows, i, 4 * layout.shards[i]).view(torch.float32).copy_(
+                layout.columns(rows, i))
+        splits = torch.full((n,), layout.row_bytes, dtype=torch.int32, device="cpu")
+        (received, _), seconds = timed_wait(self.comm.alltoall_async(send, splits, "gift.fsdp"))
+        sources = torch.empty(n * layout.shard, dtype=torch.float32, device=device)
+        if len(layout.pieces.starts):
+            self.codec.decode_pieces(received, layout.pieces, sources)
+        source_rows, received_rows = sources.view(n, layout.shard), received.view(n, -1)
+        for i in small:
+            layout.columns(source_rows, i).copy_(
+                layout.columns(received_rows, i, 4 * layout.shards[i]).view(torch.float32))
+        fp32_bytes = 4 * sum(m for m, tiny in zip(layout.shards, layout.small) if tiny) * n
+        self.counts = dict(elements=rows.numel(), payload_bytes=send.numel() - fp32_bytes,
+                           bytes_sent=send.numel() - layout.row_bytes, wait_seconds=seconds)
+        return source_rows.sum(0).div_(divisor)

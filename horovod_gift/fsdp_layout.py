@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from .codec import TensorPieces
-from .collective import mix_seed, name_key, timed_wait
+from .collective import RowReduction, mix_seed, name_key
 from .config import GiftConfig
 from .feedback import scrub
 from .fsdp_internals import param_group, trained_fsdp_params
@@ -184,35 +184,13 @@ class FsdpGiftState(GiftStateBase):
     def quantized_reduce_scatter(self, layout, rows, comm, divisor):
         """Row k of rows (layout.ranks of them, fp32) quantized to comm's rank k, which sums the
         decoded rows in fp32, in rank order: this rank's row of the sum, divided by divisor."""
-        n, device = layout.ranks, rows.device
-        send = torch.empty(n * layout.row_bytes, dtype=torch.uint8, device=device)
-        send_rows = send.view(n, layout.row_bytes)
-        residual = self.residual(layout, device)
-        # a bf16 residual through an fp32 copy: the codec's one-call paths take fp32 ones (else
-        # a call per piece: ranks x parameters of them)
-        wide = None if residual is None else residual.to(torch.float32)
         seed = mix_seed(self.codec.seed, self.step, self.comm.rank, layout.key)
-        if len(layout.pieces.starts):
-            self._bounds += self.codec.encode_pieces(rows.view(-1), wide, layout.pieces, send,
-                                                     seed)
-        if residual is not None and wide is not residual:
-            residual.copy_(wide)
-        for i in np.flatnonzero(layout.small).tolist():
-            layout.columns(send_rows, i, 4 * layout.shards[i]).view(torch.float32).copy_(
-                layout.columns(rows, i))
-        splits = torch.full((n,), layout.row_bytes, dtype=torch.int32, device="cpu")
-        (received, _), seconds = timed_wait(comm.alltoall_async(send, splits, "gift.fsdp"))
-        sources = torch.empty(n * layout.shard, dtype=torch.float32, device=device)
-        if len(layout.pieces.starts):
-            self.codec.decode_pieces(received, layout.pieces, sources)
-        source_rows, received_rows = sources.view(n, layout.shard), received.view(n, -1)
-        for i in np.flatnonzero(layout.small).tolist():
-            layout.columns(source_rows, i).copy_(
-                layout.columns(received_rows, i, 4 * layout.shards[i]).view(torch.float32))
-        coded = send.numel() - 4 * sum(m for m, s in zip(layout.shards, layout.small) if s) * n
-        self.telemetry.add(elements=rows.numel(), payload_bytes=coded,
-                           bytes_sent=send.numel() - layout.row_bytes, wait_seconds=seconds)
-        return source_rows.sum(0).div_(divisor)
+        reduction = RowReduction(layout, self.codec, comm, self.residual(layout, rows.device),
+                                 seed)
+        mine = reduction.run(rows, divisor)
+        self._bounds += reduction.amax_bounds
+        self.telemetry.add(**reduction.counts)
+        return mine
 
     def add_bounds(self, bounds):
         """Bounds on the magnitudes of this step's encodes with a residual (_end_step's scrub)."""
