@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .codec import Codec, TensorPieces  # noqa: F401 (Codec: a BucketReduction's codec)
+from .pipeline import Reduction
 from .workspaces import workspace
 
 
@@ -162,7 +163,7 @@ def timed_wait(handle):
     return out, time.perf_counter() - t0
 
 
-class BucketReduction:
+class BucketReduction(Reduction):
     """One quantized reduction of a list of flat fp32 tensors over comm (a Communicator):
     start() -> exchange() -> finish(). key: an integer naming the bucket in the stochastic
     rounding's seeds (every bucket draws its own noise)."""

@@ -17,9 +17,39 @@ waited for the operation) and is marked as used by the side stream before it is 
 current stream waits for a bucket's second stage (an event recorded after it) before it decodes
 that bucket, and for the whole side stream before the step's end reads the stage-2 residuals.
 """
+import abc
 import functools
 
 import torch
+
+
+class Reduction(abc.ABC):
+    """What StagePipeline reads of a bucket's quantized reduction (collective.BucketReduction,
+    two_hop.TwoHopReduction): start() -> exchange() until stage reaches final_stage ->
+    finish(over_inputs), ready() telling whether the next of them would wait. After it ran:
+    flats (its inputs: their device), residual1 (a list or None) and residual2 (or None) for
+    the scrub, amax_bounds (bounds on the encodes with a residual), and for the telemetry
+    bytes_sent, node_bytes_sent (the part sent inside the node) and wait_seconds."""
+
+    final_stage = 2
+    stage = 0
+    node_bytes_sent = 0
+
+    @abc.abstractmethod
+    def start(self):
+        """Its first collective issued; returns self."""
+
+    @abc.abstractmethod
+    def ready(self):
+        """Whether the next exchange() (or finish(), at final_stage) would not wait."""
+
+    @abc.abstractmethod
+    def exchange(self):
+        """The next middle stage, waiting for the collective in flight."""
+
+    @abc.abstractmethod
+    def finish(self, over_inputs=False):
+        """The reduced flats (over the inputs' storage with over_inputs)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,6 +72,9 @@ class StagePipeline:
         self.exchanged = False      # every started bucket's last collective is in flight
 
     def start(self, bucket, reduction):
+        if not isinstance(reduction, Reduction):
+            raise TypeError(f"StagePipeline: bucket {bucket} got a {type(reduction).__name__}, "
+                            "not a pipeline.Reduction")
         self.reductions[bucket] = self.in_flight[bucket] = reduction.start()
 
     def progress(self):
@@ -100,7 +133,7 @@ class StagePipeline:
             results = reduction.finish(over_inputs=True)
             self.results[bucket] = dict(zip(self.buckets[bucket], results))
             self.telemetry.add(bytes_sent=reduction.bytes_sent,
-                               node_bytes_sent=getattr(reduction, "node_bytes_sent", 0),
+                               node_bytes_sent=reduction.node_bytes_sent,
                                wait_seconds=reduction.wait_seconds)
         return self.results[bucket]
 

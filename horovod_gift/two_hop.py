@@ -28,6 +28,7 @@ import torch
 
 from .codec import TensorPieces
 from .collective import BucketLayout, BucketReduction, mix_seed, timed_wait
+from .pipeline import Reduction
 
 
 class TwoHopLayout:
@@ -69,7 +70,7 @@ class TwoHopLayout:
         return TwoHopLayout(sizes, node_size, nodes, align, codec)
 
 
-class TwoHopReduction:
+class TwoHopReduction(Reduction):
     """A BucketReduction's interface (start, ready, exchange, finish; stage and final_stage) over
     two communicators: `node` (the L ranks of this rank's node, in local-rank order) and `cross`
     (the N ranks of this local rank, in node order). residual1: r1 of each flat, whole (the part in
