@@ -10,8 +10,7 @@ from .codec import Codec
 from .collective import BucketReduction, name_key
 from .communicator import Communicator, Handle
 from .horovod_internals import node_process_sets
-from .telemetry import logger
-from .topology import Flat, TwoHop, plan_nodes
+from .topology import choose_topology
 
 HOROVOD_OPS = {"sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}
 
@@ -94,37 +93,20 @@ def allreduce(tensor, name, format="fp8_e4m3", op=None, block_size=None, roundin
 
 def horovod_topology(kind, node_size, process_set):
     """The Topology (topology.py) of a GIFT over a Horovod process set: Flat, or TwoHop over the
-    process sets of each node and across nodes (horovod_internals.node_process_sets). Collective
-    over every rank for "auto" and "two-hop" with the global set; every rank decides the same,
-    and raises the same error."""
-    comm = HorovodCommunicator(process_set)
-    if kind == "flat":
-        return Flat(comm)
-    if process_set is not None and process_set.process_set_id != 0:
-        if kind == "two-hop":
-            raise ValueError("GIFT: topology='two-hop' reduces over every rank (Horovod's global "
-                             "process set), but the gradients are reduced over the ranks "
-                             f"{process_set.ranks}; use topology='flat'")
-        return Flat(comm)
-    # every rank's view, even where each could decide alone: ranks given different node sizes
-    # must all reach plan_nodes' error, not wait in a collective the others skip
-    view = [node_size or 0, hvd.local_size(), hvd.local_rank(), hvd.rank()]
-    views = hvd.allgather(torch.tensor([view], dtype=torch.int64, device="cpu"),
-                          name="gift.topology").tolist()
-    ranks = len(views)
-    per_node, why = plan_nodes(views, ranks)
-    if per_node is not None:
-        groups = ([list(range(k, k + per_node)) for k in range(0, ranks, per_node)]
-                  + [list(range(local, ranks, per_node)) for local in range(per_node)])
+    process sets of each node and across nodes (horovod_internals.node_process_sets), made where
+    Horovod was started with dynamic process sets. Collective over every rank for "auto" and
+    "two-hop" with the global set."""
+    everyone = process_set is None or process_set.process_set_id == 0
+
+    def node_comms(groups):
         found = node_process_sets(groups)
-        if found is not None:
-            rank = hvd.rank()
-            node, cross = found[rank // per_node], found[ranks // per_node + rank % per_node]
-            return TwoHop(comm, HorovodCommunicator(node), HorovodCommunicator(cross))
-        why = ("Horovod has no process sets for the nodes and was not started with dynamic "
-               "ones: start it with hvd.init(process_sets='dynamic') and GIFT adds them")
-    if kind == "two-hop":
-        raise ValueError(f"GIFT: topology='two-hop' needs several nodes of several ranks: {why}")
-    if per_node is not None and hvd.rank() == 0:
-        logger.warning("GIFT: topology='auto' takes the flat reduction: %s", why)
-    return Flat(comm)
+        if found is None:
+            return None, ("Horovod has no process sets for the nodes and was not started with "
+                          "dynamic ones: start it with hvd.init(process_sets='dynamic') and GIFT "
+                          "adds them")
+        rank, per_node = hvd.rank(), len(groups[0])
+        node, cross = found[rank // per_node], found[len(groups) - per_node + rank % per_node]
+        return (HorovodCommunicator(node), HorovodCommunicator(cross)), None
+    return choose_topology(kind, node_size, HorovodCommunicator(process_set),
+                           None if everyone else f"the ranks {process_set.ranks}",
+                           (hvd.local_size(), hvd.local_rank()), node_comms)

@@ -8,7 +8,10 @@ is re-expressed under another through it). Its `description` is a tuple the chec
 Buckets smaller than the node size times the codec's alignment would leave a node chunk empty:
 they take the flat reduction in both topologies.
 """
+import torch
+
 from .collective import BucketReduction, bucket_pieces
+from .telemetry import logger
 from .two_hop import TwoHopLayout, TwoHopReduction
 
 TOPOLOGIES = ("auto", "flat", "two-hop")
@@ -51,6 +54,43 @@ def plan_nodes(views, ranks):
         return None, (f"{ranks} ranks make " + ("one node" if node_size == ranks else
                                                  "nodes of one rank"))
     return node_size, None
+
+
+def choose_topology(kind, node_size, comm, subset, launcher, node_comms):
+    """The Topology of a reduction over comm, the same on every rank (every engine's planner).
+    kind: "flat" | "two-hop" | "auto"; subset: None when comm holds every rank in order, else
+    the words that name the ranks it holds (two hops reduce over every rank); launcher: (local
+    size, local rank) of this rank as its launcher placed it; node_comms(groups): this rank's
+    node and cross communicators among groups (the nodes' ranks, then each local rank's across
+    nodes; every rank makes every group, in order), or (None, why not). Collective over comm
+    for "auto" and "two-hop": every rank decides the same, and raises the same error."""
+    if kind == "flat":
+        return Flat(comm)
+    if subset is not None:
+        if kind == "two-hop":
+            raise ValueError("GIFT: topology='two-hop' reduces over every rank, but the "
+                             f"gradients are reduced over {subset}; use topology='flat'")
+        return Flat(comm)
+    # every rank's view, even where each could decide alone: ranks given different node sizes
+    # must all reach plan_nodes' error, not wait in a collective the others skip
+    view = torch.tensor([[node_size or 0, *launcher, comm.rank]], dtype=torch.int64)
+    views = comm.allgather_async(view, "gift.topology").wait().view(comm.size, -1).tolist()
+    ranks = comm.size
+    per_node, why = plan_nodes(views, ranks)
+    if per_node is not None:
+        groups = ([list(range(k, k + per_node)) for k in range(0, ranks, per_node)]
+                  + [list(range(local, ranks, per_node)) for local in range(per_node)])
+        comms, why = node_comms(groups)
+        if comms is not None:
+            if comm.rank == 0:
+                logger.info("GIFT: two hops over %d nodes of %d ranks", ranks // per_node,
+                            per_node)
+            return TwoHop(comm, *comms)
+    if kind == "two-hop":
+        raise ValueError(f"GIFT: topology='two-hop' needs several nodes of several ranks: {why}")
+    if per_node is not None and comm.rank == 0:
+        logger.warning("GIFT: topology='auto' takes the flat reduction: %s", why)
+    return Flat(comm)
 
 
 class Flat:

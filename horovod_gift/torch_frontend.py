@@ -12,8 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .communicator import Communicator, Handle
-from .telemetry import logger
-from .topology import Flat, TwoHop, plan_nodes
+from .topology import choose_topology
 
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # torch 2.13 renames all_gather_into_tensor and reduce_scatter_tensor (and warns on the old names)
@@ -131,32 +130,17 @@ class _BroadcastHandle(TorchHandle):
 def torch_topology(kind, node_size, group=None, device=None):
     """The Topology (topology.py) of a GIFT over a torch.distributed group: Flat, or TwoHop over
     a group for each node and one for each local rank across nodes. Collective over the group
-    for "auto" and "two-hop" (every rank decides the same, and raises the same error); node
-    groups are made for the default group only. The launcher's local size is torchrun's
-    LOCAL_WORLD_SIZE (1 where it is not set). device: TorchCommunicator's."""
-    comm = TorchCommunicator(group, device)
-    if kind == "flat":
-        return Flat(comm)
-    if group is not None and group is not dist.group.WORLD:
-        if kind == "two-hop":
-            raise ValueError("GIFT: topology='two-hop' reduces over every rank (the default "
-                             "process group); use topology='flat' for a subgroup")
-        return Flat(comm)
-    view = torch.tensor([node_size or 0, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                         int(os.environ.get("LOCAL_RANK", 0)), comm.rank], dtype=torch.int64)
-    views = comm.allgather_async(view, "gift.topology").wait().view(comm.size, -1).tolist()
-    per_node, why = plan_nodes(views, comm.size)
-    if per_node is None:
-        if kind == "two-hop":
-            raise ValueError(f"GIFT: topology='two-hop' needs several nodes of several ranks: "
-                             f"{why}")
-        return Flat(comm)
-    ranks = comm.size
-    # every rank makes every group, in the same order (torch.distributed's rule)
-    node, _ = dist.new_subgroups_by_enumeration(
-        [list(range(k, k + per_node)) for k in range(0, ranks, per_node)])
-    cross, _ = dist.new_subgroups_by_enumeration(
-        [list(range(local, ranks, per_node)) for local in range(per_node)])
-    if comm.rank == 0:
-        logger.info("GIFT: two hops over %d nodes of %d ranks", ranks // per_node, per_node)
-    return TwoHop(comm, TorchCommunicator(node, device), TorchCommunicator(cross, device))
+    for "auto" and "two-hop"; node groups are made for the default group only. The launcher's
+    local size is torchrun's LOCAL_WORLD_SIZE (1 where it is not set). device:
+    TorchCommunicator's."""
+    everyone = group is None or group is dist.group.WORLD
+
+    def node_comms(groups):
+        per_node = len(groups[0])
+        # every rank makes every group, in the same order (torch.distributed's rule)
+        node, _ = dist.new_subgroups_by_enumeration(groups[:-per_node])
+        cross, _ = dist.new_subgroups_by_enumeration(groups[-per_node:])
+        return (TorchCommunicator(node, device), TorchCommunicator(cross, device)), None
+    launcher = (int(os.environ.get("LOCAL_WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
+    return choose_topology(kind, node_size, TorchCommunicator(group, device),
+                           None if everyone else "a subgroup", launcher, node_comms)
