@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 import torch
 import horovod.torch as hvd
 from horovod.torch.compression import Compressor
-from torch.profiler import record_function
 
 from . import horovod_internals as internals
 from .config import with_options
@@ -89,23 +88,15 @@ class GIFT(GiftCore, Compressor):
         _check_instance(self)
         optimizer, hooked = internals.calling_optimizer(self)
         self._bind(optimizer)
-        t0 = time.perf_counter()
-        try:
-            with record_function("horovod_gift.compress"):
-                return self._compress(tensor, hooked)
-        finally:
-            self.telemetry.add(seconds_in_gift=time.perf_counter() - t0)
+        with self.telemetry.timed("compress"):
+            return self._compress(tensor, hooked)
 
     def decompress(self, tensor=None, ctx=None):
         _check_instance(self)
         if ctx is None:     # a sparse gradient: Horovod reduced it itself, compress never saw it
             return tensor
-        t0 = time.perf_counter()
-        try:
-            with record_function("horovod_gift.decompress"):
-                return self._decompress(tensor, ctx)
-        finally:
-            self.telemetry.add(seconds_in_gift=time.perf_counter() - t0)
+        with self.telemetry.timed("decompress"):
+            return self._decompress(tensor, ctx)
 
     def _bind(self, optimizer):
         """Take the process set and op of the Horovod optimizer calling compress, the first time;

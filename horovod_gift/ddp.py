@@ -21,14 +21,12 @@ same collectives, contributing zeros (and what its residuals still owe); the ave
 every rank, as DDP's own with divide_by_initial_world_size=True. no_sync() accumulates
 gradients locally: the hook runs on the synchronized backward only.
 """
-import time
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.profiler import record_function
 
 from .collective import Fp32Reduction
 from .config import with_options
@@ -112,12 +110,8 @@ class GiftState(GiftCore):
 
     # ---------------------------------------------------------------- the hook
     def hook(self, bucket):
-        t0 = time.perf_counter()
-        try:
-            with record_function("horovod_gift.ddp_hook"):
-                return self._hook(bucket)
-        finally:
-            self.telemetry.add(seconds_in_gift=time.perf_counter() - t0)
+        with self.telemetry.timed("ddp_hook"):
+            return self._hook(bucket)
 
     def _hook(self, bucket):
         step = self.current

@@ -34,13 +34,11 @@ torch.distributed matches collectives by call order: FSDP calls the reduce-scatt
 in backward order, the same on every rank, and GIFT adds collectives only at a step's first
 reduce-scatter (the configuration check at the first step, the statistics' refresh).
 """
-import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-from torch.profiler import record_function
 
 from .config import GiftConfig, with_options
 from .fsdp_allgather import use_quantized_all_gather
@@ -70,17 +68,13 @@ class GiftReduceScatter(ReduceScatter):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        t0 = time.perf_counter()
-        try:
-            with record_function("horovod_gift.reduce_scatter"):
-                layout = self.state.begin(self.module, input_tensor, group)
-                if layout is None:      # a trained parameter of the group has no gradient
-                    return self._fp32(output_tensor, input_tensor, group, op, async_op)
-                divisor = _divisor(op, self.state.comm.size)
-                self.state.reduce_scatter(layout, output_tensor, input_tensor, divisor)
-                return None
-        finally:
-            self.state.telemetry.add(seconds_in_gift=time.perf_counter() - t0)
+        with self.state.telemetry.timed("reduce_scatter"):
+            layout = self.state.begin(self.module, input_tensor, group)
+            if layout is None:      # a trained parameter of the group has no gradient
+                return self._fp32(output_tensor, input_tensor, group, op, async_op)
+            divisor = _divisor(op, self.state.comm.size)
+            self.state.reduce_scatter(layout, output_tensor, input_tensor, divisor)
+            return None
 
     def _fp32(self, output, buffer, group, op, async_op):
         """FSDP's own reduction in fp32: its reduce-scatter, and under HSDP the all-reduce

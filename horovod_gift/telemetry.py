@@ -5,11 +5,15 @@ Messages go through logging.getLogger("horovod_gift"), as a library's should: th
 once the application configures logging (e.g. logging.basicConfig(level=logging.INFO)).
 Profiler ranges (torch.profiler.record_function) are named PROFILER_RANGES: the compress and
 decompress calls Horovod makes, the statistics refresh and the "auto" vote; they sit inside
-Horovod's own timeline ranges for the same tensors.
+Horovod's own timeline ranges for the same tensors. DDP's hook and FSDP's reduce-scatter have
+theirs: horovod_gift.ddp_hook and horovod_gift.reduce_scatter.
 """
 
+import contextlib
 import logging
 import time
+
+from torch.profiler import record_function
 
 from .transforms import WHITENING_TRANSFORMS
 
@@ -30,6 +34,17 @@ class Telemetry:
         self.log_every = log_every
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.restart(0)
+
+    @contextlib.contextmanager
+    def timed(self, name):
+        """A frontend's call: its seconds counted in seconds_in_gift, and a profiler range
+        named horovod_gift.<name> around it."""
+        t0 = time.perf_counter()
+        try:
+            with record_function(f"horovod_gift.{name}"):
+                yield
+        finally:
+            self.add(seconds_in_gift=time.perf_counter() - t0)
 
     def restart(self, steps):
         """The next log line averages from here (a loaded or reset step count)."""
