@@ -27,12 +27,12 @@ from .linear_layers import linear_readers
 from .pipeline import StagePipeline
 from .rotation import HadamardRotation
 from .state_base import NOTHING_PENDING, GiftStateBase, fingerprint
-from .telemetry import Reporting, logger
+from .telemetry import logger
 from .topology import owned_pieces
 from .transforms import WHITENING_TRANSFORMS, TransformPlan
 
 
-class GiftCore(GiftStateBase, Reporting):
+class GiftCore(GiftStateBase):
     """State of the low-precision gradient exchange for one model.
 
     format: "nvfp4" | "fp8_e4m3" | "fp8_e5m2"; block_size: FP8 scale block (None: per tensor);
@@ -258,6 +258,26 @@ class GiftCore(GiftStateBase, Reporting):
             if self.feedback:
                 self.feedback.convert(name, old_inverse, functools.partial(self.plan.forward, name))
 
+
+    # ---------------------------------------------------------------- what it says of itself
+    def describe(self):
+        counts = self.plan.counts(self.bucket_of)
+        block = f" (block {self.codec.block_size})" if self.codec.block_size else ""
+        plans = ", ".join(f"{v} tensors {k}" for k, v in sorted(counts.items()))
+        linear = (self.statistics.describe(self.params, self.bucket_of) + "; "
+                  if self.transform in WHITENING_TRANSFORMS else "")
+        return (f"GIFT {self.codec.format}{block}, transform={self.transform}: {plans}; "
+                f"{linear}{len(self.buckets)} buckets, "
+                f"{self.topology.describe() if self.topology else 'topology at the first step'}; "
+                f"tensors under {self.min_elements} elements go fp32")
+
+    def stats(self):
+        """Cumulative counters of this rank: steps, gradient elements, bytes sent through the
+        quantized path (node_bytes_sent: the part a two-hop reduction sent inside its node),
+        bits per gradient element encoded (uncompressed tensors at 32), seconds in the codec,
+        seconds waiting inside GIFT (for the network, and at a step's start for the slowest
+        rank), and steps on the fp32 path (a rank in hvd.join(), or GIFT warming up)."""
+        return self.telemetry.stats(self.step, self.plan.counts(self.bucket_of))
 
     # ---------------------------------------------------------------- checks and checkpoints
     def topology_description(self):

@@ -250,6 +250,23 @@ class WhiteningStatistics:
                                      "statistic (see the computing rank's log)")
         return changed
 
+    def describe(self, params, compressed):
+        """The weights whitened as linear modules' (linear_layers.py), those read by a module
+        they do not belong to (a tied LM head), and the 2-D weights among compressed (names)
+        that no linear module reads."""
+        text = f"{len(self.readers)} weights of linear modules"
+        if self.transposed:
+            text += f" ({len(self.transposed)} stored in x out)"
+        if self.borrowed:
+            text += ", read through another module: " + "; ".join(
+                f"{name} by {', '.join(modules)}" for name, modules in self.borrowed.items())
+        other = [name for name in compressed
+                 if params[name].dim() == 2 and name not in self.readers]
+        if other:
+            shown = ", ".join(other[:4]) + (f" and {len(other) - 4} more" if len(other) > 4 else "")
+            text += f"; 2-D weights no linear module reads (not whitened): {shown}"
+        return text
+
     def local_state_dict(self):
         """This rank's histories (host copies): part of the per-rank state, like the residuals."""
         return {owner: h.to("cpu", copy=True) for owner, h in self._history.items()}

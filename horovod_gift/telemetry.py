@@ -15,7 +15,6 @@ import time
 
 from torch.profiler import record_function
 
-from .transforms import WHITENING_TRANSFORMS
 
 logger = logging.getLogger("horovod_gift")
 
@@ -83,44 +82,3 @@ class Telemetry:
                     8.0 * payload / elements if elements else 0.0, sent, inside, codec, wait,
                     (now - last["time"]) / n, plan_text)
         self._last = dict(c, steps=steps, time=now)
-
-
-class Reporting:
-    """What GIFT says of itself (a base class of GIFT, which holds the state read here)."""
-
-    def describe(self):
-        counts = self.plan.counts(self.bucket_of)
-        block = f" (block {self.codec.block_size})" if self.codec.block_size else ""
-        plans = ", ".join(f"{v} tensors {k}" for k, v in sorted(counts.items()))
-        return (f"GIFT {self.codec.format}{block}, transform={self.transform}: {plans}; "
-                f"{self._describe_linear()}{len(self.buckets)} buckets, "
-                f"{self.topology.describe() if self.topology else 'topology at the first step'}; "
-                "tensors under "
-                f"{self.min_elements} elements go fp32")
-
-    def _describe_linear(self):
-        """The weights whitened as linear modules' (linear_layers.py), those read by a module
-        they do not belong to (a tied LM head), and the 2-D weights no linear module reads."""
-        stats = self.statistics
-        if self.transform not in WHITENING_TRANSFORMS:
-            return ""
-        text = f"{len(stats.readers)} weights of linear modules"
-        if stats.transposed:
-            text += f" ({len(stats.transposed)} stored in x out)"
-        if stats.borrowed:
-            text += ", read through another module: " + "; ".join(
-                f"{name} by {', '.join(modules)}" for name, modules in stats.borrowed.items())
-        other = [name for name in self.bucket_of
-                 if self.params[name].dim() == 2 and name not in stats.readers]
-        if other:
-            shown = ", ".join(other[:4]) + (f" and {len(other) - 4} more" if len(other) > 4 else "")
-            text += f"; 2-D weights no linear module reads (not whitened): {shown}"
-        return text + "; "
-
-    def stats(self):
-        """Cumulative counters of this rank: steps, gradient elements, bytes sent through the
-        quantized path (node_bytes_sent: the part a two-hop reduction sent inside its node),
-        bits per gradient element encoded (uncompressed tensors at 32), seconds in the codec,
-        seconds waiting inside GIFT (for the network, and at a step's start for the slowest
-        rank), and steps on the fp32 path (a rank in hvd.join(), or GIFT warming up)."""
-        return self.telemetry.stats(self.step, self.plan.counts(self.bucket_of))
