@@ -29,7 +29,7 @@ from horovod.torch.compression import Compressor
 
 from . import horovod_internals as internals
 from .config import with_options
-from .core import GiftCore, sparse_gradient_parameters
+from .core import GiftCore, StepState, sparse_gradient_parameters
 from .state_base import NOTHING_PENDING
 from .horovod_frontend import HorovodCommunicator, horovod_topology
 
@@ -37,17 +37,13 @@ HOROVOD_DTYPES = (torch.float16, torch.float32, torch.float64)
 
 
 @dataclass
-class StepState:
-    """What GIFT knows about the step in flight; a new one starts each step."""
-    in_step: bool = False                 # the step's first gradient has arrived
+class HorovodStep(StepState):
+    """The step in flight, as Horovod hands it over."""
     outstanding: int = 0                  # tensors handed to Horovod and not yet decompressed
     sent: set = field(default_factory=set)           # names of the parameters compressed
     joined: bool = False                  # a rank is in hvd.join(): every tensor goes fp32
     plain: bool = False                   # every tensor takes Horovod's fp32 path (join, warm-up)
-    u: dict = field(default_factory=dict)            # name -> transformed flat gradient
-    maxima: dict = field(default_factory=dict)       # name -> its pieces' amax bits, if folded
     shapes: dict = field(default_factory=dict)       # name -> (shape, dtype) of the gradient
-    pipeline: object = None               # the step's bucket reductions (a StagePipeline)
 
 
 class GIFT(GiftCore, Compressor):
@@ -128,13 +124,10 @@ class GIFT(GiftCore, Compressor):
             plain = tensor if tensor.dtype in HOROVOD_DTYPES else tensor.to(torch.float32)
             self.current.pipeline.progress()
             return plain, ("plain", name, tensor.dtype)
-        self.current.u[name], maxima = self.transformed(name, tensor)
-        if maxima is not None:
-            self.current.maxima[name] = maxima
         self.current.shapes[name] = (tensor.shape, tensor.dtype)
-        bucket = self.bucket_of[name]
-        if all(n in self.current.u for n in self.buckets[bucket]):
-            self._start(bucket)
+        complete = self.take(name, tensor)
+        if complete is not None:
+            self.start(complete)
         self.current.pipeline.progress()
         # on the gradient's device: Horovod's grouped allreduce (groups=) wants one device a group
         return torch.zeros(1, device=tensor.device), ("gift", name, tensor.dtype)
@@ -161,7 +154,7 @@ class GIFT(GiftCore, Compressor):
 
     # ---------------------------------------------------------------- one step
     def _reset_step(self):
-        self.current = StepState(pipeline=self.new_pipeline())
+        self.current = HorovodStep(pipeline=self.new_pipeline())
 
     def _begin_step(self, device):
         self.current.in_step = True
@@ -178,20 +171,11 @@ class GIFT(GiftCore, Compressor):
             return
         self.current.plain = not self.begin_step(largest_step)
 
-    def _start(self, bucket):
-        names = self.buckets[bucket]
-        flats = [self.current.u[n] if n in self.current.u else self.zeros(n) for n in names]
-        maxima = [self.current.maxima.get(n) for n in names]
-        self.current.pipeline.start(bucket, self.reduction(bucket, flats, maxima))
-
     def _second_stage(self):
         pipeline = self.current.pipeline
         if pipeline.exchanged:
             return
-        for bucket in range(len(self.buckets)):     # a bucket whose members Horovod never sent
-            members = self.buckets[bucket]
-            if bucket not in pipeline.reductions and any(n in self.current.u for n in members):
-                self._start(bucket)
+        self.start_the_rest()     # buckets with members Horovod never sent
         pipeline.exchange_all()
         self.plan.start_vote()
 

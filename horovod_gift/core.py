@@ -13,6 +13,7 @@ order). The class docstring documents every option.
 """
 import functools
 import gc
+from dataclasses import dataclass, field
 
 import torch
 from torch.profiler import record_function
@@ -30,6 +31,16 @@ from .state_base import NOTHING_PENDING, GiftStateBase, fingerprint
 from .telemetry import logger
 from .topology import owned_pieces
 from .transforms import WHITENING_TRANSFORMS, TransformPlan
+
+
+@dataclass
+class StepState:
+    """What GIFT knows about the step in flight; a frontend starts a new one each step (a
+    subclass of it adds what its engine needs)."""
+    in_step: bool = False                 # the step's first gradient has arrived
+    pipeline: object = None               # the step's bucket reductions (a StagePipeline)
+    u: dict = field(default_factory=dict)            # name -> transformed flat gradient
+    maxima: dict = field(default_factory=dict)       # name -> its pieces' amax bits, if folded
 
 
 class GiftCore(GiftStateBase):
@@ -189,6 +200,33 @@ class GiftCore(GiftStateBase):
             u.add_(spread)
             spread.zero_()
         return u, None
+
+    def take(self, name, g):
+        """g's transformed u into the step (self.current); starts its bucket if it was the
+        last member missing."""
+        step = self.current
+        step.u[name], maxima = self.transformed(name, g)
+        if maxima is not None:
+            step.maxima[name] = maxima
+        bucket = self.bucket_of[name]
+        return bucket if all(n in step.u for n in self.buckets[bucket]) else None
+
+    def start(self, bucket):
+        """The bucket's reduction started in the step's pipeline (members the engine did not
+        hand over this step take zeros)."""
+        step = self.current
+        names = self.buckets[bucket]
+        flats = [step.u[n] if n in step.u else self.zeros(n) for n in names]
+        step.pipeline.start(bucket, self.reduction(bucket, flats,
+                                                   [step.maxima.get(n) for n in names]))
+
+    def start_the_rest(self):
+        """Every bucket with a member this step whose reduction never started (the engine did
+        not hand over all of its members)."""
+        for bucket, names in enumerate(self.buckets):
+            if (bucket not in self.current.pipeline.reductions
+                    and any(n in self.current.u for n in names)):
+                self.start(bucket)
 
     def reduction(self, bucket, flats, maxima):
         """The bucket's quantized reduction (not started): flats, its members' u in bucket

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .collective import Fp32Reduction
 from .config import with_options
-from .core import GiftCore, sparse_gradient_parameters
+from .core import GiftCore, StepState, sparse_gradient_parameters
 from .torch_frontend import TorchCommunicator, torch_topology
 
 
@@ -45,12 +45,9 @@ class _Bucket:
 
 
 @dataclass
-class _Step:
-    in_step: bool = False
+class DdpStep(StepState):
+    """The step in flight, as DDP's hooks hand it over."""
     compressing: bool = False
-    pipeline: object = None
-    u: dict = field(default_factory=dict)          # name -> transformed flat gradient
-    maxima: dict = field(default_factory=dict)
     started_at: dict = field(default_factory=dict)  # GIFT bucket -> hook count when started
     hooks: int = 0
     waiting: list = field(default_factory=list)    # _Buckets whose future is not set yet
@@ -150,7 +147,7 @@ class GiftState(GiftCore):
     def _take(self, bucket):
         """Transform this DDP bucket's compressed gradients (over the buffer) and start the fp32
         allreduce of its small ones."""
-        buffer, step = bucket.buffer(), self.current
+        buffer = bucket.buffer()
         # on CUDA the future records the current stream, which DDP's wait then waits for
         future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
         entry = _Bucket(future, buffer, [], [])
@@ -166,18 +163,12 @@ class GiftState(GiftCore):
                                                   self.comm.size).start()
             self.telemetry.add(uncompressed_elements=flat.numel(), payload_bytes=4 * flat.numel())
         for name, grad in entry.compressed:
-            step.u[name], maxima = self.transformed(name, grad)
-            if maxima is not None:
-                step.maxima[name] = maxima
+            self.take(name, grad)
         return entry
 
     def _start(self, bucket):
-        step = self.current
-        names = self.buckets[bucket]
-        flats = [step.u[n] if n in step.u else self.zeros(n) for n in names]
-        step.pipeline.start(bucket, self.reduction(bucket, flats,
-                                                   [step.maxima.get(n) for n in names]))
-        step.started_at[bucket] = step.hooks
+        self.start(bucket)
+        self.current.started_at[bucket] = self.current.hooks
 
     def _advance_earlier(self):
         """Every reduction started at an earlier hook and not finished moves one stage on, in
@@ -226,9 +217,7 @@ class GiftState(GiftCore):
         zeros), move every reduction to its end in bucket order, set every future. Returns the
         FloatingPointError of a non-finite average under nonfinite="raise", else None."""
         step = self.current
-        for bucket, names in enumerate(self.buckets):
-            if bucket not in step.pipeline.reductions and any(n in step.u for n in names):
-                self._start(bucket)
+        self.start_the_rest()
         for bucket in sorted(step.pipeline.in_flight):
             while bucket in step.pipeline.in_flight:
                 step.pipeline.advance(bucket)
@@ -247,7 +236,7 @@ class GiftState(GiftCore):
         self._reset_step()
 
     def _reset_step(self):
-        self.current = _Step()
+        self.current = DdpStep()
 
 
 def gift_hook(state, bucket):
