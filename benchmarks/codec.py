@@ -20,7 +20,7 @@ import torch
 
 import horovod_gift as gift
 from dense_whitening import whitening
-from horovod_gift import formats
+from horovod_gift.codec import formats
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 REFERENCE_NMSE = {

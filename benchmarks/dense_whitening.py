@@ -11,8 +11,8 @@ benchmarks/fidelity.py and codec.py compare with them; tests use them as exact r
 """
 import torch
 
-from horovod_gift.geometry import InputWhitening, diagonal_remainder
-from horovod_gift.sketch import EmaStatistic
+from horovod_gift.geometry.whitening import InputWhitening, diagonal_remainder
+from horovod_gift.geometry.sketch import EmaStatistic
 
 DENSE_ROOTS = ("cholesky", "symmetric")
 

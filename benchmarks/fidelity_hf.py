@@ -34,12 +34,12 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
-from horovod_gift.codec import Codec  # noqa: E402
-from horovod_gift.communicator import LocalGroup  # noqa: E402
-from horovod_gift.core import REFRESH_EVERY, STAT_WINDOW  # noqa: E402
-from horovod_gift.rotation import HadamardRotation  # noqa: E402
-from horovod_gift.statistics import WhiteningStatistics  # noqa: E402
-from horovod_gift.transforms import TransformPlan  # noqa: E402
+from horovod_gift.codec.tensor_codec import Codec  # noqa: E402
+from horovod_gift.reduce.communicator import LocalGroup  # noqa: E402
+from horovod_gift.core.gift_core import REFRESH_EVERY, STAT_WINDOW  # noqa: E402
+from horovod_gift.codec.rotation import HadamardRotation  # noqa: E402
+from horovod_gift.geometry.statistics import WhiteningStatistics  # noqa: E402
+from horovod_gift.geometry.transforms import TransformPlan  # noqa: E402
 from data import ByteBatches, read_corpus  # noqa: E402
 from train_hf import CausalLM, make_config  # noqa: E402
 

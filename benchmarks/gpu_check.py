@@ -36,16 +36,16 @@ import types
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from horovod_gift.codec import Codec  # noqa: E402
-from horovod_gift.collective import BucketReduction, owned_elements  # noqa: E402
-from horovod_gift.communicator import LocalGroup  # noqa: E402
+from horovod_gift.codec.tensor_codec import Codec  # noqa: E402
+from horovod_gift.reduce.collective import BucketReduction, owned_elements  # noqa: E402
+from horovod_gift.reduce.communicator import LocalGroup  # noqa: E402
 from horovod_gift.config import use_kernels  # noqa: E402
-from horovod_gift.geometry import InputWhitening  # noqa: E402
+from horovod_gift.geometry.whitening import InputWhitening  # noqa: E402
 from horovod_gift.kernels import fp8, fused, hadamard, nvfp4  # noqa: E402
-from horovod_gift.pipeline import StagePipeline  # noqa: E402
-from horovod_gift.rotation import HadamardRotation  # noqa: E402
+from horovod_gift.reduce.pipeline import StagePipeline  # noqa: E402
+from horovod_gift.codec.rotation import HadamardRotation  # noqa: E402
 from horovod_gift.telemetry import Telemetry  # noqa: E402
-from horovod_gift.transforms import TransformPlan  # noqa: E402
+from horovod_gift.geometry.transforms import TransformPlan  # noqa: E402
 
 DEVICE = "cuda"
 

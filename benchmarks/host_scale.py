@@ -31,14 +31,14 @@ import time
 import torch
 from earlier_tree import earlier_tree
 
-from horovod_gift import collective
-from horovod_gift.collective import BucketReduction, Codec, bucket_pieces, fill_buckets
-from horovod_gift.feedback import ErrorFeedback
+from horovod_gift.reduce import collective
+from horovod_gift.reduce.collective import BucketReduction, Codec, bucket_pieces, fill_buckets
+from horovod_gift.reduce.feedback import ErrorFeedback
 
 # a commit from before the Communicator: its collective.py calls horovod.torch itself
 LEGACY = hasattr(collective, "hvd")
 if not LEGACY:
-    from horovod_gift.communicator import Communicator, Done
+    from horovod_gift.reduce.communicator import Communicator, Done
 else:
     Communicator = object
 

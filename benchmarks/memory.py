@@ -77,8 +77,8 @@ def nbytes(tensors):
 def worker(arm, args):
     import horovod.torch as hvd
     import horovod_gift as gift
-    from horovod_gift import rotation
-    from horovod_gift import workspaces as reused_buffers
+    from horovod_gift.codec import rotation
+    from horovod_gift.codec import workspaces as reused_buffers
     from model import Llama, LlamaConfig
     hvd.init()
     torch.manual_seed(0)

@@ -28,7 +28,7 @@ import time
 import torch
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from horovod_gift.torch_frontend import REDUCE_SCATTER
+from horovod_gift.torch_comm import REDUCE_SCATTER
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))

@@ -6,14 +6,14 @@ Horovod frontend, import horovod.torch when first used.
 
 __version__ = "0.3.0"
 
+from .codec.formats import Encoded, decode, encode
+from .codec.rotation import HadamardRotation
 from .config import FORMATS, ROUNDINGS, GiftConfig, use_kernels
-from .formats import Encoded, decode, encode
-from .geometry import InputWhitening
-from .linear_layers import register_linear
-from .rotation import HadamardRotation
+from .geometry.linear_layers import register_linear
+from .geometry.whitening import InputWhitening
 
 # name -> module of the Horovod frontend (imported on first use)
-_HOROVOD_NAMES = {"GIFT": "compression", "allreduce": "horovod_frontend"}
+_HOROVOD_NAMES = {"GIFT": "hvd.compressor", "allreduce": "hvd.comm"}
 
 __all__ = [
     "__version__",

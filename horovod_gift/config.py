@@ -71,7 +71,7 @@ def check_codec(format, block_size, rounding, where="encode"):
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
 REFRESH_EVERY = 4       # steps between whitening refreshes (core.GiftCore's docstring says why)
 STAT_WINDOW = 5         # steps in the statistics' EMA
-PARAM_FORMATS = (None, "fp8_e4m3")      # FSDP's parameter all-gather (fsdp_allgather.py)
+PARAM_FORMATS = (None, "fp8_e4m3")      # FSDP's parameter all-gather (fsdp/allgather.py)
 FSDP_TRANSFORMS = ("whiten", "none")
 
 
@@ -128,8 +128,8 @@ class GiftConfig:
     verbose: bool = True
 
     def __post_init__(self):
-        from .topology import TOPOLOGIES
-        from .transforms import TRANSFORMS     # transforms imports this module
+        from .geometry.transforms import TRANSFORMS  # transforms imports this module
+        from .reduce.topology import TOPOLOGIES
 
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"GIFT: unknown topology {self.topology!r}; expected one of "

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .collective import Fp32Reduction
 from .config import with_options
-from .core import GiftCore, StepState, sparse_gradient_parameters
-from .torch_frontend import TorchCommunicator, torch_topology
+from .core.gift_core import GiftCore, StepState, sparse_gradient_parameters
+from .reduce.collective import Fp32Reduction
+from .torch_comm import TorchCommunicator, torch_topology
 
 
 @dataclass

@@ -15,12 +15,11 @@ import time
 
 from torch.profiler import record_function
 
-
 logger = logging.getLogger("horovod_gift")
 
 PROFILER_RANGES = ("horovod_gift.compress", "horovod_gift.decompress", "horovod_gift.refresh",
                    "horovod_gift.vote")
-# param_bytes_sent: FSDP's parameter all-gathers in 8 bits (fsdp_allgather.py)
+# param_bytes_sent: FSDP's parameter all-gathers in 8 bits (fsdp/allgather.py)
 COUNTERS = ("elements", "bytes_sent", "node_bytes_sent", "param_bytes_sent", "payload_bytes",
             "uncompressed_elements", "seconds_in_gift", "wait_seconds", "joined_steps",
             "warmup_steps")

@@ -5,7 +5,7 @@ import torch
 import horovod.torch as hvd
 
 import horovod_gift as gift
-from horovod_gift.rotation import HadamardRotation
+from horovod_gift.codec.rotation import HadamardRotation
 from helpers import assert_identical_on_all_ranks, assert_same_on_all_ranks
 
 FORMATS = [("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", 32), ("nvfp4", None)]

@@ -134,7 +134,7 @@ def test_a_linear_class_registered_on_one_rank_only_raises_on_every_rank():
     try:
         compression = gift.GIFT(model, min_elements=256, verbose=False)
     finally:
-        gift.linear_layers.REGISTRY.pop(Projection, None)
+        gift.geometry.linear_layers.REGISTRY.pop(Projection, None)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(),
                                    compression=compression)

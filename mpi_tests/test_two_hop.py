@@ -7,7 +7,7 @@ import horovod.torch as hvd
 
 import horovod_gift as gift
 from helpers import assert_identical_on_all_ranks, assert_same_on_all_ranks
-from horovod_gift.two_hop import TwoHopLayout
+from horovod_gift.reduce.two_hop import TwoHopLayout
 from test_gift import TinyLM, make, run
 
 

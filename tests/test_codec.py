@@ -184,7 +184,7 @@ def test_amax_bound_covers_the_piece_and_flags_nonfinite(backend, fmt, block, ba
     """Codec.amax_bound, read from a payload's scales, is at least the largest magnitude the
     piece held (the error feedback trusts it to skip reading the residuals), and not finite
     when the piece was not."""
-    from horovod_gift.codec import Codec
+    from horovod_gift.codec.tensor_codec import Codec
 
     x = torch.randn(1000, generator=torch.Generator().manual_seed(4)) * 3e4
     if bad is not None:
@@ -200,7 +200,7 @@ def test_amax_bound_covers_the_piece_and_flags_nonfinite(backend, fmt, block, ba
 
 
 def test_scrub_reads_no_residual_under_a_finite_bound_and_clears_the_others():
-    from horovod_gift.feedback import FINITE_AMAX, scrub
+    from horovod_gift.reduce.feedback import FINITE_AMAX, scrub
 
     residual = torch.tensor([1.0, float("nan"), 2.0])
     scrub([residual], [torch.tensor([FINITE_AMAX / 2])])
@@ -215,7 +215,7 @@ def test_encode_into_a_slice_of_a_send_buffer(backend, fmt, block):
     """Codec.encode(out=...) writes the payload's bytes into that slice of a larger buffer and
     nowhere else (the native kernels write codes and scales straight into it), the same bytes
     as a payload of its own; reduce_encode likewise for the owner's stage."""
-    from horovod_gift.codec import Codec
+    from horovod_gift.codec.tensor_codec import Codec
 
     m = 4133
     x = torch.randn(m, generator=torch.Generator().manual_seed(5))

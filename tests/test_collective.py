@@ -8,10 +8,10 @@ import weakref
 import pytest
 import torch
 
-from horovod_gift.codec import Codec
-from horovod_gift.collective import BucketLayout, BucketReduction, fill_buckets
-from horovod_gift.communicator import Handle, LocalGroup
-from horovod_gift.pipeline import StagePipeline
+from horovod_gift.codec.tensor_codec import Codec
+from horovod_gift.reduce.collective import BucketLayout, BucketReduction, fill_buckets
+from horovod_gift.reduce.communicator import Handle, LocalGroup
+from horovod_gift.reduce.pipeline import StagePipeline
 from horovod_gift.telemetry import Telemetry
 
 
@@ -186,9 +186,11 @@ def test_codec_modules_and_torch_frontends_import_without_horovod():
         "import sys\n"
         "sys.modules['horovod'] = None\n"
         "sys.modules['horovod.torch'] = None\n"
-        "import horovod_gift.collective, horovod_gift.feedback, horovod_gift.transforms\n"
-        "import horovod_gift.statistics, horovod_gift.state_base, horovod_gift.communicator\n"
-        "import horovod_gift.core, horovod_gift.ddp, horovod_gift.fsdp\n"
+        "import horovod_gift.codec, horovod_gift.geometry, horovod_gift.reduce\n"
+        "import horovod_gift.reduce.collective, horovod_gift.reduce.feedback\n"
+        "import horovod_gift.geometry.transforms, horovod_gift.geometry.statistics\n"
+        "import horovod_gift.core.state_base, horovod_gift.reduce.communicator\n"
+        "import horovod_gift.core.gift_core, horovod_gift.ddp, horovod_gift.fsdp\n"
         "from horovod_gift.ddp import GiftState, gift_hook\n"
         "from horovod_gift.fsdp import GiftReduceScatter, attach\n"
         "import horovod_gift as gift\n"

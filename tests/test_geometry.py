@@ -185,7 +185,7 @@ def test_low_rank_map_in_row_blocks_equals_its_formula(monkeypatch):
     """forward: G D^{-1/2} (I + P diag(c-) P^T); inverse: G (I + P diag(c+) P^T) D^{1/2}, worked
     out in fp64 here, against the CPU path that runs in blocks of rows (several, and a short last
     one)."""
-    from horovod_gift import geometry
+    from horovod_gift.geometry import whitening as geometry
 
     monkeypatch.setattr(geometry, "ROW_BLOCK_ELEMENTS", 64 * 7)
     w = gift.InputWhitening(64, rank=16, sqrt="diagonal")
@@ -208,7 +208,7 @@ def test_low_rank_map_in_row_blocks_equals_its_formula(monkeypatch):
 def test_whitening_into_out_or_in_place_gives_the_same_bits(sqrt, monkeypatch):
     """GIFT whitens a gradient in its own storage: the result must not depend on where it is
     written, also when the rows run in blocks (several, and a short last one)."""
-    from horovod_gift import geometry
+    from horovod_gift.geometry import whitening as geometry
 
     monkeypatch.setattr(geometry, "ROW_BLOCK_ELEMENTS", 64 * 7)
     w = whitening(64, rank=16, sqrt=sqrt)

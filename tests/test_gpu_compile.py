@@ -68,10 +68,10 @@ def record_launches(drive):
 
 def drive_codec():
     """Every codec path of the library, through its public entry points, with the kernels forced."""
-    from horovod_gift import formats
+    from horovod_gift.codec import formats
     from horovod_gift.config import use_kernels
     from horovod_gift.kernels import fp8, nvfp4
-    from horovod_gift.rotation import HadamardRotation
+    from horovod_gift.codec.rotation import HadamardRotation
 
     x = torch.randn(
         4096 + 128 + 37
@@ -119,7 +119,7 @@ def drive_pieces(x):
     """A bucket's pieces of one tensor in one launch (kernels/pieces.py), every format and mode."""
     import numpy as np
 
-    from horovod_gift.codec import Codec, TensorPieces
+    from horovod_gift.codec.tensor_codec import Codec, TensorPieces
 
     starts, ends = np.array([0, 1000], np.int64), np.array([1000, x.numel()], np.int64)
     for fmt, block in (("nvfp4", None), ("fp8_e4m3", None), ("fp8_e5m2", 32)):

@@ -8,15 +8,15 @@ import torch.utils.checkpoint
 from transformers.pytorch_utils import Conv1D
 
 import horovod_gift as gift
-from horovod_gift import linear_layers
-from horovod_gift.communicator import LocalGroup
-from horovod_gift.rotation import HadamardRotation
-from horovod_gift.statistics import WhiteningStatistics
-from horovod_gift.transforms import TransformPlan
+from horovod_gift.geometry import linear_layers
+from horovod_gift.reduce.communicator import LocalGroup
+from horovod_gift.codec.rotation import HadamardRotation
+from horovod_gift.geometry.statistics import WhiteningStatistics
+from horovod_gift.geometry.transforms import TransformPlan
 
 
 def statistics_of(model, refresh_every=1):
-    return WhiteningStatistics(model, dict(model.named_parameters()), rank=4, damping=1.0,
+    return WhiteningStatistics(model, dict(model.named_parameters()), whitening_rank=4, damping=1.0,
                                refresh_every=refresh_every, window=5,
                                comm=LocalGroup(1).communicators()[0])
 

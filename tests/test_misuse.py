@@ -24,7 +24,7 @@ def test_codec_names():
 
 
 def test_rotation_is_a_hadamard_rotation():
-    from horovod_gift import formats
+    from horovod_gift.codec import formats
     with pytest.raises(TypeError, match="rotation must be a HadamardRotation or None, got tuple"):
         formats.quantize(torch.ones(64), "nvfp4", rotation=(16, 0))
     with pytest.raises(ValueError, match="block_size must be a power of two, got 12"):

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import horovod_gift as gift
-from horovod_gift import formats
+from horovod_gift.codec import formats
 from horovod_gift.kernels import native
-from horovod_gift.rotation import HadamardRotation
+from horovod_gift.codec.rotation import HadamardRotation
 
 # FP8 blocks under 16 and from 16 up take different decoding loops (native_decode.py)
 CODECS = [("nvfp4", None), ("fp8_e4m3", None), ("fp8_e4m3", 32), ("fp8_e5m2", None),
@@ -315,7 +315,7 @@ def test_pieces_encoded_from_the_folded_rotation_equal_the_plain_path(fmt, block
     """BucketReduction's stage 1 under a folded rotation: each piece of u + r1, encoded with its
     maximum (Codec.encode(folded_bits=...)), gives the payload and new residual of encoding the
     piece of u with its piece of r1; a piece holding a NaN included."""
-    from horovod_gift.codec import Codec
+    from horovod_gift.codec.tensor_codec import Codec
 
     n = 70_079
     x = sample(n, 8)

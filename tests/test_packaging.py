@@ -24,4 +24,4 @@ def test_wheel_metadata_version_requirements_and_kernels(tmp_path):
     assert not any(r.lower().startswith("horovod") for r in requires), requires
     test_extra = {r.split(";")[0].strip().lower() for r in requires if "extra == \"test\"" in r}
     assert {"pytest", "pytest-timeout", "hypothesis", "mpi4py", "numpy", "tqdm"} <= test_extra
-    assert "horovod_gift/kernels/hadamard.py" in names and "horovod_gift/compression.py" in names
+    assert "horovod_gift/kernels/hadamard.py" in names and "horovod_gift/hvd/compressor.py" in names

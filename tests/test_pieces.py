@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import horovod_gift as gift
-from horovod_gift.codec import Codec, TensorPieces, piece_seeds
+from horovod_gift.codec.tensor_codec import Codec, TensorPieces, piece_seeds
 from horovod_gift.kernels import native
 
 CODECS = [("nvfp4", None), ("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", 32),

@@ -10,10 +10,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 
 import horovod_gift as gift
-from horovod_gift import sketch
-from horovod_gift.horovod_frontend import HorovodCommunicator
-from horovod_gift.sketch import NystromSketch, sketching_matrix
-from horovod_gift.statistics import WhiteningStatistics
+from horovod_gift.geometry import sketch
+from horovod_gift.hvd.comm import HorovodCommunicator
+from horovod_gift.geometry.sketch import NystromSketch, sketching_matrix
+from horovod_gift.geometry.statistics import WhiteningStatistics
 from test_geometry import spiked_activations
 
 # test_geometry has put benchmarks/ on the path
@@ -196,7 +196,7 @@ class SharedInputs(torch.nn.Module):
 
 
 def statistics_of(model):
-    return WhiteningStatistics(model, dict(model.named_parameters()), rank=4, damping=1e-3,
+    return WhiteningStatistics(model, dict(model.named_parameters()), whitening_rank=4, damping=1e-3,
                                refresh_every=1, window=10, comm=HorovodCommunicator())
 
 
@@ -224,7 +224,7 @@ def test_layers_reading_one_input_share_one_statistic(horovod, monkeypatch):
     assert w["q.weight"] is w["k.weight"] and w["o.weight"] is not w["q.weight"]
     changed = statistics_step(model, stats, torch.randn(4, 6, 32))
     assert set(changed) == {"q.weight", "k.weight", "o.weight"}
-    assert changed["k.weight"] is gift.geometry.IDENTITY_FACTORS     # no factors before
+    assert changed["k.weight"] is gift.geometry.whitening.IDENTITY_FACTORS     # no factors before
     # a fixed set of names, not one per layer: every statistic in one allreduce, the factors in
     # one broadcast per computing rank
     assert names == ["gift.sharing", "gift.stats", "gift.stats", "gift.factors.0"]
@@ -251,7 +251,7 @@ def test_refresh_uses_a_bias_corrected_ema_of_earlier_steps_only(horovod):
     d = 1 - 1/window; the fourth step's own batch (huge here) is not in it."""
     torch.manual_seed(0)
     model = SharedInputs()
-    stats = WhiteningStatistics(model, dict(model.named_parameters()), rank=4, damping=0.1,
+    stats = WhiteningStatistics(model, dict(model.named_parameters()), whitening_rank=4, damping=0.1,
                                 refresh_every=3, window=4, comm=HorovodCommunicator())
     batches = [torch.randn(n, 1, 32) for n in (4, 8, 2)] + [torch.randn(5, 1, 32) * 100]
     for x in batches:

@@ -5,11 +5,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from horovod_gift.codec import Codec
-from horovod_gift.feedback import ErrorFeedback
-from horovod_gift.geometry import InputWhitening
-from horovod_gift.rotation import HadamardRotation
-from horovod_gift.transforms import DISTANCE_BLOCK, TransformPlan, squared_distance
+from horovod_gift.codec.tensor_codec import Codec
+from horovod_gift.reduce.feedback import ErrorFeedback
+from horovod_gift.geometry.whitening import InputWhitening
+from horovod_gift.codec.rotation import HadamardRotation
+from horovod_gift.geometry.transforms import DISTANCE_BLOCK, TransformPlan, squared_distance
 
 OUT, IN = 48, 64
 

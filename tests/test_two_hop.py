@@ -5,14 +5,14 @@ import numpy as np
 import pytest
 import torch
 
-from horovod_gift.codec import Codec
-from horovod_gift.collective import BucketLayout
-from horovod_gift.communicator import LocalGroup
-from horovod_gift.feedback import ErrorFeedback
-from horovod_gift.pipeline import StagePipeline
+from horovod_gift.codec.tensor_codec import Codec
+from horovod_gift.reduce.collective import BucketLayout
+from horovod_gift.reduce.communicator import LocalGroup
+from horovod_gift.reduce.feedback import ErrorFeedback
+from horovod_gift.reduce.pipeline import StagePipeline
 from horovod_gift.telemetry import Telemetry
-from horovod_gift.topology import Flat, TwoHop, owned_pieces, plan_nodes
-from horovod_gift.two_hop import TwoHopLayout
+from horovod_gift.reduce.topology import Flat, TwoHop, owned_pieces, plan_nodes
+from horovod_gift.reduce.two_hop import TwoHopLayout
 
 SIZES = (1000, 4096, 77, 3000)      # pieces that straddle node and cross chunk boundaries
 

@@ -1,4 +1,4 @@
-"""GIFT under FSDP2 across nodes (fsdp_hops.py): HSDP on a (replicas, shard) mesh, and two hops
+"""GIFT under FSDP2 across nodes (horovod_gift/fsdp/hops.py): HSDP on a (replicas, shard) mesh, and two hops
 under 1-D FSDP, on gloo under torchrun as 2 nodes: 4 ranks as 2 x 2, 8 as 2 x 4
 (scripts/run_tests.sh runs this file at 4 and 8 ranks)."""
 import functools
@@ -12,7 +12,7 @@ from torch.distributed.fsdp import fully_shard
 from fsdp_checks import (check_non_finite_comes_back_nan, check_reduced_shards_close_to_fp32,
                          check_resume_is_bit_identical, full)
 from helpers import Net, assert_identical_on_all_ranks, gathered, loss_of, train
-from horovod_gift import fsdp_internals
+from horovod_gift.fsdp import internals as fsdp_internals
 from horovod_gift.fsdp import attach
 
 OPTIONS = dict(format="nvfp4", refresh_every=2, verbose=False)
@@ -128,7 +128,7 @@ def test_combinations_gift_cannot_honour_are_refused_by_name():
 
 
 def test_the_private_fsdp_attributes_gift_reads():
-    """fsdp_internals.py's list, read as GIFT reads it: fails when torch changes one."""
+    """fsdp/internals.py's list, read as GIFT reads it: fails when torch changes one."""
     model, _, _ = make("hsdp")
     group = fsdp_internals.param_group(model.up)
     (weight, dim, shard), (bias, _, bias_shard) = fsdp_internals.trained_fsdp_params(group)

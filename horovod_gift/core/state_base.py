@@ -1,5 +1,5 @@
 """What every GIFT state of a model holds and does, whatever reduces its gradients: core.GiftCore
-(buckets, for Horovod and DDP) and fsdp_layout.FsdpGiftState (FSDP's rows) are its two kinds.
+(buckets, for Horovod and DDP) and fsdp.layout.FsdpGiftState (FSDP's rows) are its two kinds.
 
 It holds the configuration, the codec, the whitening statistics, the counters and the step, and
 runs what a step shares in every engine: a loaded per-rank state applied once the ranks are
@@ -17,9 +17,9 @@ import hashlib
 
 from torch.profiler import record_function
 
-from .codec import Codec
-from .statistics import WhiteningStatistics
-from .telemetry import Telemetry, logger
+from ..codec.tensor_codec import Codec
+from ..geometry.statistics import WhiteningStatistics
+from ..telemetry import Telemetry, logger
 
 NOTHING_PENDING = False     # no loaded per-rank state waits (None is one: "saved without it")
 
@@ -121,7 +121,7 @@ class GiftStateBase:
         return dict(format=self.codec.format, block_size=self.codec.block_size,
                     rounding=self.codec.rounding, seed=self.codec.seed, transform=self.transform,
                     error_feedback=self.error_feedback, residual_dtype=str(self.residual_dtype),
-                    min_elements=self.min_elements, whitening_rank=self.statistics.rank,
+                    min_elements=self.min_elements, whitening_rank=self.statistics.whitening_rank,
                     damping=self.statistics.damping, refresh_every=self.statistics.refresh_every,
                     stat_window=self.statistics.window)
 

@@ -1,23 +1,23 @@
-"""The state and the reduce-scatter of GIFT under FSDP2 (fsdp.py is the frontend and says how it
-works): where each parameter lies in a group's buffers (GroupLayout), and FsdpGiftState, which
-holds the codec, the whitening statistics, the residuals and the step count of one model, and
-quantizes rows; fsdp_hops.py lays the reduction over nodes."""
+"""The state and the reduce-scatter of GIFT under FSDP2 (reduce_scatter.py is the frontend and
+says how it works): where each parameter lies in a group's buffers (GroupLayout), and
+FsdpGiftState, which holds the codec, the whitening statistics, the residuals and the step count
+of one model, and quantizes rows; hops.py lays the reduction over nodes."""
 import numpy as np
 import torch
 
-from .codec import TensorPieces
-from .collective import RowReduction, mix_seed, name_key
-from .config import GiftConfig
-from .feedback import scrub
-from .fsdp_internals import param_group, trained_fsdp_params
-from .linear_layers import linear_readers
-from .state_base import NOTHING_PENDING, GiftStateBase, fingerprint
-from .telemetry import logger
+from ..codec.tensor_codec import TensorPieces
+from ..config import GiftConfig
+from ..core.state_base import NOTHING_PENDING, GiftStateBase, fingerprint
+from ..geometry.linear_layers import linear_readers
+from ..reduce.collective import RowReduction, mix_seed, name_key
+from ..reduce.feedback import scrub
+from ..telemetry import logger
+from .internals import param_group, trained_fsdp_params
 
 
 class GroupLayout:
     """An FSDP group's rows that one rank quantizes (`ranks` of them: all of FSDP's buffer in one
-    hop, 1/L of it in two, fsdp_hops.py), each of `shard` elements, row k holding every
+    hop, 1/L of it in two, hops.py), each of `shard` elements, row k holding every
     parameter's k-th shard (shards[i] elements at offsets[i]); the bytes GIFT sends for them:
     rows of row_bytes, parameter i's piece at byte_offsets[i] (codec payloads, or fp32 for
     the small ones, each rounded up to 4 bytes). pieces: the codec pieces of every row, for
@@ -54,11 +54,11 @@ class FsdpGiftState(GiftStateBase):
     """GIFT's state for one model under FSDP2: a GiftConfig (GiftConfig.for_fsdp's defaults;
     GiftConfig.refuse_for_fsdp says what FSDP cannot take) or its fields as keywords.
 
-    error_feedback: see fsdp.py and benchmarks/results/fsdp_feedback.md. topology: "auto" (two
-    hops under 1-D FSDP when LOCAL_WORLD_SIZE, or node_size, makes several nodes of several
-    ranks), "flat" or "two-hop"; under HSDP the mesh gives the nodes (fsdp_hops.py). attach()
+    error_feedback: see reduce_scatter.py and benchmarks/results/fsdp_feedback.md. topology:
+    "auto" (two hops under 1-D FSDP when LOCAL_WORLD_SIZE, or node_size, makes several nodes of
+    several ranks), "flat" or "two-hop"; under HSDP the mesh gives the nodes (hops.py). attach()
     sets `hops`. param_format: None (FSDP's fp32 parameter all-gather) or "fp8_e4m3"
-    (fsdp_allgather.py).
+    (allgather.py).
     """
 
     label = "GIFT (FSDP)"
@@ -79,7 +79,7 @@ class FsdpGiftState(GiftStateBase):
         self.modules = []       # the fully_shard modules whose reduce-scatter is GIFT's
         self.layouts, self.residuals = {}, {}   # module id -> GroupLayout; layout key -> r1
         self.unwhitened = set()  # whitenable weights FSDP shards on another dim than rows
-        self.hops = None         # set by attach (fsdp_hops.py)
+        self.hops = None         # set by attach (hops.py)
         self._task = None        # the autograd graph task of the step under way
         self.device = None       # the gradients' (from the first reduce-scatter)
         self._bounds = []        # this step's bounds on the encodes' magnitudes (scrub)
@@ -87,7 +87,7 @@ class FsdpGiftState(GiftStateBase):
 
     # ---------------------------------------------------------------- layout and step
     def use(self, hops):
-        """Reduce through hops (fsdp_hops.py): its comm holds every rank."""
+        """Reduce through hops (hops.py): its comm holds every rank."""
         self.hops = hops
         self.set_comm(hops.comm)
 

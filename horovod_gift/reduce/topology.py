@@ -10,8 +10,8 @@ they take the flat reduction in both topologies.
 """
 import torch
 
+from ..telemetry import logger
 from .collective import BucketReduction, bucket_pieces
-from .telemetry import logger
 from .two_hop import TwoHopLayout, TwoHopReduction
 
 TOPOLOGIES = ("auto", "flat", "two-hop")

@@ -14,10 +14,11 @@ the node already.
 import torch
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
-from .codec import Codec
-from .fsdp_internals import all_fsdp_params, param_group
-from .fsdp_layout import GroupLayout
-from .torch_frontend import ALL_GATHER
+from ..codec.tensor_codec import Codec
+from ..torch_comm import ALL_GATHER
+from .internals import all_fsdp_params, param_group
+from .layout import GroupLayout
+
 
 class QuantizedAllGather(AllGather):
     """The all-gather of one fully_shard module's parameters in `format`; falls back to FSDP's

@@ -1,6 +1,6 @@
-"""torch.distributed as GIFT's engine: the Communicator (communicator.py) over a process group,
-and the topology of a job launched with torchrun. The DDP hook (ddp.py) and the FSDP2
-reduce-scatter (fsdp.py) are the frontends over it.
+"""torch.distributed as GIFT's engine: the Communicator (reduce/communicator.py) over a process
+group, and the topology of a job launched with torchrun. The DDP hook (ddp.py) and the FSDP2
+reduce-scatter (fsdp/reduce_scatter.py) are the frontends over it.
 
 torch.distributed matches collectives by the order in which ranks issue them on a group, not by
 name: the names of the Communicator interface are ignored here, and every frontend issues its
@@ -11,8 +11,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from .communicator import Communicator, Handle
-from .topology import choose_topology
+from .reduce.communicator import Communicator, Handle
+from .reduce.topology import choose_topology
 
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # torch 2.13 renames all_gather_into_tensor and reduce_scatter_tensor (and warns on the old names)
@@ -128,8 +128,8 @@ class _BroadcastHandle(TorchHandle):
 
 
 def torch_topology(kind, node_size, group=None, device=None):
-    """The Topology (topology.py) of a GIFT over a torch.distributed group: Flat, or TwoHop over
-    a group for each node and one for each local rank across nodes. Collective over the group
+    """The Topology (reduce/topology.py) of a GIFT over a torch.distributed group: Flat, or TwoHop
+    over a group for each node and one for each local rank across nodes. Collective over the group
     for "auto" and "two-hop"; node groups are made for the default group only. The launcher's
     local size is torchrun's LOCAL_WORLD_SIZE (1 where it is not set). device:
     TorchCommunicator's."""

@@ -14,8 +14,7 @@ import functools
 
 import torch
 
-from .config import runs_native
-
+from ..config import runs_native
 
 TRANSFORMS = ("auto", "none", "hadamard", "whiten", "whiten+hadamard")
 # The transforms that may whiten: the statistics and their forward hooks exist only under them.

@@ -26,7 +26,7 @@ import functools
 import numpy as np
 import torch
 
-from .codec import TensorPieces
+from ..codec.tensor_codec import TensorPieces
 from .collective import BucketLayout, BucketReduction, mix_seed, timed_wait
 from .pipeline import Reduction
 

@@ -1,16 +1,16 @@
-"""Horovod as GIFT's engine: the Communicator (communicator.py) over a Horovod process set, and
-the quantized allreduce of one tensor. The GIFT compressor (compression.py) is the frontend
+"""Horovod as GIFT's engine: the Communicator (reduce/communicator.py) over a Horovod process
+set, and the quantized allreduce of one tensor. The GIFT compressor (compressor.py) is the frontend
 Horovod's DistributedOptimizer calls."""
 import os
 
 import horovod.torch as hvd
 import torch
 
-from .codec import Codec
-from .collective import BucketReduction, name_key
-from .communicator import Communicator, Handle
-from .horovod_internals import node_process_sets
-from .topology import choose_topology
+from ..codec.tensor_codec import Codec
+from ..reduce.collective import BucketReduction, name_key
+from ..reduce.communicator import Communicator, Handle
+from ..reduce.topology import choose_topology
+from .internals import node_process_sets
 
 HOROVOD_OPS = {"sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}
 
@@ -92,8 +92,8 @@ def allreduce(tensor, name, format="fp8_e4m3", op=None, block_size=None, roundin
 
 
 def horovod_topology(kind, node_size, process_set):
-    """The Topology (topology.py) of a GIFT over a Horovod process set: Flat, or TwoHop over the
-    process sets of each node and across nodes (horovod_internals.node_process_sets), made where
+    """The Topology (reduce/topology.py) of a GIFT over a Horovod process set: Flat, or TwoHop
+    over the process sets of each node and across nodes (internals.node_process_sets), made where
     Horovod was started with dynamic process sets. Collective over every rank for "auto" and
     "two-hop" with the global set."""
     everyone = process_set is None or process_set.process_set_id == 0

@@ -2,7 +2,7 @@
 batches), kept as a streaming Nystrom sketch (benchmarks/dense_whitening.py keeps the dense
 matrix, for comparison).
 
-Input whitening needs the top r eigenpairs of A and diag(A) (geometry.py). The dense A costs in^2
+Input whitening needs the top r eigenpairs of A and diag(A) (whitening.py). The dense A costs in^2
 memory, an allreduce of in^2 numbers per refresh and an O(in^3) eigh: about 12 GB per rank at
 Llama-1B shapes. A sketch of in x l numbers (l = r + oversampling) is enough; of three candidates,
 

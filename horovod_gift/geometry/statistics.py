@@ -32,8 +32,8 @@ import weakref
 
 import torch
 
-from .geometry import IDENTITY_FACTORS, InputWhitening
 from .linear_layers import linear_readers
+from .whitening import IDENTITY_FACTORS, InputWhitening
 
 
 class WhiteningStatistics:
@@ -43,8 +43,9 @@ class WhiteningStatistics:
     to its InputWhitening (one object for the layers that share an input, once sharing is
     settled); transposed holds the names of weights stored (in, out)."""
 
-    def __init__(self, model, params, rank, damping, refresh_every, window, comm):
-        self.refresh_every, self.rank, self.damping = refresh_every, rank, damping
+    def __init__(self, model, params, whitening_rank, damping, refresh_every, window, comm):
+        self.refresh_every, self.damping = refresh_every, damping
+        self.whitening_rank = whitening_rank     # eigenpairs kept per input statistic
         self.window, self.decay = window, 1.0 - 1.0 / window
         self.comm = comm     # a Communicator; may be replaced before the first refresh
         self.whitening, self._handles = {}, []
@@ -141,7 +142,7 @@ class WhiteningStatistics:
             owner = name if owner_of is None else owner_of[name]
             if owner not in owners:
                 # ema 0: the statistic is replaced by each refresh's (the EMA is the history)
-                owners[owner] = InputWhitening(self._in_features[name], rank=self.rank,
+                owners[owner] = InputWhitening(self._in_features[name], rank=self.whitening_rank,
                                                damping=self.damping, ema=0.0)
             self.whitening[name] = owners[owner]
 

@@ -7,7 +7,7 @@ the shard's owner, and only the owner keeps the result.
     fully_shard(model)
     state = attach(model, format="nvfp4")   # module.set_custom_reduce_scatter(GiftReduceScatter)
 
-Across nodes (fsdp_hops.py): under 1-D FSDP, topology="auto" reduce-scatters in fp32 inside each
+Across nodes (hops.py): under 1-D FSDP, topology="auto" reduce-scatters in fp32 inside each
 node and quantizes only the hop across nodes, when LOCAL_WORLD_SIZE (or node_size=) makes several
 nodes of several ranks; under HSDP (fully_shard(..., mesh=init_device_mesh(device,
 (nodes, ranks_a_node), mesh_dim_names=("replicate", "shard")))) FSDP's reduce-scatter stays in
@@ -17,7 +17,7 @@ FSDP2 lays a parameter group's gradients out as one buffer of `ranks` rows, row 
 parameter's k-th dim-0 shard (padded), and reduce-scatters it. GiftReduceScatter does that in one
 alltoall of bytes: every rank encodes each piece (a parameter's part of a row) with its own
 scales, sends row k to rank k, and rank k decodes the `ranks` payloads of its row and sums them
-in fp32: GIFT's stage 1 (collective.py) with no stage 2, since nobody else needs the sum.
+in fp32: GIFT's stage 1 (reduce/collective.py) with no stage 2, since nobody else needs the sum.
 Parameters under `min_elements` travel as fp32 bytes in the same alltoall.
 
 Geometry: the input-side whitening of a linear weight stored (out, in), u = G S^{-T}, maps each
@@ -40,14 +40,18 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from .config import GiftConfig, with_options
-from .fsdp_allgather import use_quantized_all_gather
-from .fsdp_hops import Hsdp, OneHop, TwoHops
-from .fsdp_internals import (hsdp_groups, param_group, reduce_across_replicas_in_gift,
-                             shard_group)
-from .fsdp_layout import GroupLayout, FsdpGiftState
-from .topology import TwoHop
-from .torch_frontend import REDUCE_SCATTER, TorchCommunicator, torch_topology
+from ..config import GiftConfig, with_options
+from ..reduce.topology import TwoHop
+from ..torch_comm import REDUCE_SCATTER, TorchCommunicator, torch_topology
+from .allgather import use_quantized_all_gather
+from .hops import Hsdp, OneHop, TwoHops
+from .internals import (
+    hsdp_groups,
+    param_group,
+    reduce_across_replicas_in_gift,
+    shard_group,
+)
+from .layout import FsdpGiftState, GroupLayout
 
 __all__ = ["attach", "GiftReduceScatter", "FsdpGiftState", "GroupLayout"]
 
@@ -120,7 +124,7 @@ def _device(model):
 
 
 def _hops(groups, state, device):
-    """The fsdp_hops topology of the model's parameter groups (all on one mesh)."""
+    """The hops.py topology of the model's parameter groups (all on one mesh)."""
     meshes = {(hsdp_groups(g) or (shard_group(g),)) for g in groups}
     if len(meshes) > 1:
         raise ValueError("attach: the fully_shard modules of this model lie on different meshes; "

@@ -1,9 +1,10 @@
 """The collectives GIFT's engine-neutral core uses, as a small interface an engine implements.
 
 The codec, the buckets (collective.py), error feedback, transforms, statistics and checkpoints
-talk only to a Communicator; a frontend (horovod_frontend.HorovodCommunicator today, DDP and
-FSDP next) maps it onto its engine. Every call is collective over the communicator's ranks,
-matched by `name` (a fixed, small set of names reused every step: engines cache by name).
+talk only to a Communicator; each engine maps it onto its collectives
+(hvd.comm.HorovodCommunicator, torch_comm.TorchCommunicator). Every call is collective over the
+communicator's ranks, matched by `name` (a fixed, small set of names reused every step: engines
+cache by name).
 
     handle = comm.alltoall_async(send, splits, "b3.reduce_scatter")
     if handle.poll(): received, received_splits = handle.wait()

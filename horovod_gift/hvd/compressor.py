@@ -13,25 +13,25 @@ synchronize()):
     g_avg = T^{-1}(avg(u))    identical bytes, scales and T on every rank: bit-identical result
 compress returns a one-element placeholder for Horovod's own allreduce and launches the bucket's
 first stage once all its members are in; each later compress moves every bucket whose collective
-has arrived to its next stage (pipeline.py: stage 2 and decoding inside backward, never
+has arrived to its next stage (reduce/pipeline.py: stage 2 and decoding inside backward, never
 waiting; Horovod matches collectives by name, so the order may differ across ranks), and the
 first decompress of a step starts the rest's second stages. Tensors under `min_elements`, sparse
 gradients and steps in which a rank has called hvd.join() take Horovod's own fp32 reduction.
-The state and step logic are the engine-neutral core's (core.py).
+The state and step logic are the engine-neutral core's (core/gift_core.py).
 """
 import time
 import weakref
 from dataclasses import dataclass, field
 
-import torch
 import horovod.torch as hvd
+import torch
 from horovod.torch.compression import Compressor
 
-from . import horovod_internals as internals
-from .config import with_options
-from .core import GiftCore, StepState, sparse_gradient_parameters
-from .state_base import NOTHING_PENDING
-from .horovod_frontend import HorovodCommunicator, horovod_topology
+from ..config import with_options
+from ..core.gift_core import GiftCore, StepState, sparse_gradient_parameters
+from ..core.state_base import NOTHING_PENDING
+from ..hvd import internals as internals
+from .comm import HorovodCommunicator, horovod_topology
 
 HOROVOD_DTYPES = (torch.float16, torch.float32, torch.float64)
 

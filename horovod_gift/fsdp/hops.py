@@ -1,16 +1,16 @@
-"""How GIFT lays FSDP2's gradient reduction over nodes (fsdp.py has the whole picture).
+"""How GIFT lays FSDP2's gradient reduction over nodes (reduce_scatter.py has the whole picture).
 
 FSDP hands GIFT a buffer of `rows` rows, row k the k-th shard of every parameter of a group, to be
 summed over the ranks of its group. With L ranks a node and N nodes (rank = node * L + local):
 
   OneHop    1-D FSDP, one hop: every rank quantizes all P rows, sends row k to rank k, which
-            decodes P payloads and sums them in fp32 (what fsdp.py always did).
+            decodes P payloads and sums them in fp32 (what reduce_scatter.py always did).
   TwoHops   1-D FSDP over N x L ranks: an fp32 reduce-scatter inside the node first (local rank l
             receives rows l, L + l, 2L + l, ... of its L node mates and sums them), then the
             quantized hop of those N rows among the N ranks of local rank l, one a node. A rank
             quantizes N rows: 1/L of the group, and so holds 1/L of the one-hop residual.
   Hsdp      HSDP, mesh (replicas, shard): FSDP's reduce-scatter over the shard group (the node)
-            stays in fp32, made by GIFT (fsdp_internals.reduce_across_replicas_in_gift takes
+            stays in fp32, made by GIFT (internals.reduce_across_replicas_in_gift takes
             FSDP's own fp32 all-reduce across replicas away); its one row is then all-reduced
             across the N replicas, quantized: collective.BucketReduction (stage 1 to each
             1/N's owner, fp32 sum, stage 2 re-quantized and allgathered), so every replica ends
@@ -23,8 +23,8 @@ HSDP's own 2 (N - 1) / N * 2 in bf16.
 """
 import torch
 
-from .collective import BucketLayout, BucketReduction, Fp32Reduction, timed_wait
-from .feedback import fold_into
+from ..reduce.collective import BucketLayout, BucketReduction, Fp32Reduction, timed_wait
+from ..reduce.feedback import fold_into
 
 TOPOLOGIES = ("auto", "flat", "two-hop")
 

@@ -1,13 +1,14 @@
 """GIFT's engine-neutral core: the state and step logic every frontend shares.
 
-A frontend (compression.GIFT for Horovod, ddp.GiftState for a DDP communication hook) makes a
-GiftCore over a Communicator (communicator.py) and a Topology (topology.py), and per step:
+A frontend (hvd.compressor.GIFT for Horovod, ddp.GiftState for a DDP communication hook)
+makes a GiftCore over a Communicator (reduce/communicator.py) and a Topology
+(reduce/topology.py), and per step:
     begin_step()            first gradient of a step: rank check, warm-up, whitening refresh
     transformed(name, g)    u = T(g) with error feedback folded in where it can be
     start(bucket)           the bucket's quantized reduction, once all its members are in
     result(name)            T^-1 of the reduced u, in the gradient's shape and dtype
     end_step()              scrub non-finite residuals, the "auto" vote, step += 1
-The reductions of a step live in a StagePipeline (pipeline.py); when each moves to its next
+The reductions of a step live in a StagePipeline (reduce/pipeline.py); when each moves to its next
 stage is the frontend's choice (Horovod matches collectives by name, torch.distributed by call
 order). The class docstring documents every option.
 """
@@ -20,17 +21,17 @@ from torch.profiler import record_function
 
 from horovod_gift.kernels.hadamard import LANES
 
-from .collective import fill_buckets
-from .config import REFRESH_EVERY, STAT_WINDOW, GiftConfig  # noqa: F401 (benchmarks read them)
-from .feedback import ErrorFeedback, scrub
-from .kernels.native import CompileCount
-from .linear_layers import linear_readers
-from .pipeline import StagePipeline
-from .rotation import HadamardRotation
+from ..codec.rotation import HadamardRotation
+from ..config import REFRESH_EVERY, STAT_WINDOW, GiftConfig  # noqa: F401 (benchmarks read them)
+from ..geometry.linear_layers import linear_readers
+from ..geometry.transforms import WHITENING_TRANSFORMS, TransformPlan
+from ..kernels.native import CompileCount
+from ..reduce.collective import fill_buckets
+from ..reduce.feedback import ErrorFeedback, scrub
+from ..reduce.pipeline import StagePipeline
+from ..reduce.topology import owned_pieces
+from ..telemetry import logger
 from .state_base import NOTHING_PENDING, GiftStateBase, fingerprint
-from .telemetry import logger
-from .topology import owned_pieces
-from .transforms import WHITENING_TRANSFORMS, TransformPlan
 
 
 @dataclass
@@ -54,9 +55,10 @@ class GiftCore(GiftStateBase):
     statistics from earlier batches only, as training has them):
     transform: "whiten" (the default) whitens the gradient of every compressed weight of a linear
     module (nn.Linear, transformers' Conv1D, classes given to gift.register_linear; a weight tied to
-    an LM head, by the head's input: linear_layers.py) with the symmetric inverse root of its input
-    statistic (geometry.py) and sends other tensors as they are. At step 100 it cuts the round-trip
-    error 2.2-2.5x for FP8 E5M2 and NVFP4, and the error of AdamW's update direction 2.0-2.4x.
+    an LM head, by the head's input: geometry/linear_layers.py) with the symmetric inverse root of
+    its input statistic (geometry/whitening.py) and sends other tensors as they are. At step 100
+    it cuts the round-trip error 2.2-2.5x for FP8 E5M2 and NVFP4, and the error of AdamW's update
+    direction 2.0-2.4x.
     "whiten+hadamard" adds a randomized Hadamard rotation: 3-14 % less Euclidean error, but 33-56 %
     more error in AdamW's update (it moves error onto coordinates with small second moments);
     "hadamard" alone does the same without the gain. "auto" picks per tensor among none / hadamard /
@@ -82,7 +84,7 @@ class GiftCore(GiftStateBase):
     transform; 0 (the default) logs nothing periodically.
     topology: how a bucket is reduced over the ranks. "flat": one quantized reduce-scatter and
     allgather over all ranks, which sends (P - L) / P of every gradient across nodes (L ranks a
-    node). "two-hop" (two_hop.py): an fp32 reduce-scatter inside each node, the quantized
+    node). "two-hop" (reduce/two_hop.py): an fp32 reduce-scatter inside each node, the quantized
     reduction across nodes on 1/L of each bucket, an allgather inside the node: 1/L of the flat
     bytes across nodes, for (L - 1) / L of the gradient in fp32 over the node's own links
     (benchmarks/results/cluster.md measures both). It reduces over every rank. "auto" (the
@@ -194,7 +196,7 @@ class GiftCore(GiftStateBase):
             return self.plan.forward_folded(
                 name, g, *self.feedback.residual_pieces(name, self.comm.size))
         u = self.plan.forward(name, g, in_place=True)
-        # an r1 with values outside this rank's part goes into the node's sum (two_hop.py)
+        # an r1 with values outside this rank's part goes into the node's sum (reduce/two_hop.py)
         spread = self.feedback.take_spread(name) if self.feedback else None
         if spread is not None and not self.topology.folds:
             u.add_(spread)

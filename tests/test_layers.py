@@ -1,0 +1,60 @@
+"""The library's layers, bottom to top: codec (the wire format) and geometry (the transforms), then
+reduce (how bytes travel and are summed), core (a model's state and step), then the frontends
+(ddp, fsdp, hvd, over torch_comm or Horovod). A layer imports only those below it, and only the
+Horovod frontend imports horovod (a torch-only install runs the rest)."""
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "horovod_gift"
+SHARED = {"config", "telemetry", "kernels"}     # top-level modules every layer may read
+BELOW_FRONTENDS = {"codec", "geometry", "reduce", "core", "torch_comm"}
+ALLOWED = {
+    "codec": {"config", "kernels"},
+    "geometry": {"config", "codec"},
+    "reduce": {"config", "telemetry", "codec"},
+    "core": SHARED | {"codec", "geometry", "reduce"},
+    "torch_comm": SHARED | {"reduce"},
+    "ddp": SHARED | BELOW_FRONTENDS,
+    "fsdp": SHARED | BELOW_FRONTENDS,
+    "hvd": SHARED | {"codec", "geometry", "reduce", "core"},
+}
+
+
+def imports_of(path):
+    """(first part of every horovod_gift module path the file imports, whether it imports
+    horovod), nested imports included."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    found, horovod = set(), False
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = list(parts[:-1])[:len(parts) - node.level]
+            found.add((base + (node.module or "").split("."))[0])
+        elif isinstance(node, ast.ImportFrom) and node.module.startswith("horovod_gift."):
+            found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.ImportFrom):
+            horovod |= node.module.split(".")[0] == "horovod"
+        elif isinstance(node, ast.Import):
+            horovod |= any(a.name.split(".")[0] == "horovod" for a in node.names)
+    return found, horovod
+
+
+def layer_files(layer):
+    folder = PACKAGE / layer
+    return sorted(folder.rglob("*.py")) if folder.is_dir() else [PACKAGE / f"{layer}.py"]
+
+
+@pytest.mark.parametrize("layer", sorted(ALLOWED))
+def test_a_layer_imports_only_those_below_it(layer):
+    for path in layer_files(layer):
+        found, horovod = imports_of(path)
+        above = found - ALLOWED[layer] - {layer}
+        assert not above, f"{path.relative_to(PACKAGE)} imports {sorted(above)} of a layer above"
+        assert not horovod or layer == "hvd", f"{path.relative_to(PACKAGE)} imports horovod"
+
+
+def test_every_module_belongs_to_a_layer():
+    top = {p.stem for p in PACKAGE.glob("*.py")} | {p.name for p in PACKAGE.iterdir()
+                                                     if (p / "__init__.py").exists()}
+    assert top - set(ALLOWED) - {"__init__", "integrations"} <= SHARED, sorted(top)
