@@ -67,6 +67,7 @@ class GiftState(GiftCore):
     Made on every rank of the group, in the same order as the group's other collectives (with
     topology "auto" or "two-hop" it gathers the ranks' placement and may make node groups).
     """
+    step_kind = DdpStep
 
     @with_options()
     def __init__(self, model, *, process_group=None, config=None, **options):
@@ -91,7 +92,7 @@ class GiftState(GiftCore):
         self.choose_topology(self._topology)
         self.name_of = {id(p): n for n, p in self.params.items()}
         self._optimizer = None      # what GiftCore.reset_rank_state clears (Horovod's)
-        self._reset_step()
+        self.reset_step()
         weakref.finalize(self, self.statistics.remove_hooks)
 
     def _topology(self):
@@ -114,7 +115,6 @@ class GiftState(GiftCore):
         step = self.current
         if not step.in_step:
             step.compressing = self.begin_step()    # raises on every rank, or on none
-            step.pipeline = self.new_pipeline()
             step.in_step = True
         step.hooks += 1
         buffer = bucket.buffer()
@@ -233,10 +233,8 @@ class GiftState(GiftCore):
 
     def _end_step(self):
         self.end_step()
-        self._reset_step()
+        self.reset_step()
 
-    def _reset_step(self):
-        self.current = DdpStep()
 
 
 def gift_hook(state, bucket):

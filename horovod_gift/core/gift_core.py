@@ -100,6 +100,7 @@ class GiftCore(GiftStateBase):
     bucket_elements: the most elements a bucket of gradients reduced together holds (larger:
     fewer, larger messages); min_elements: tensors under it go fp32, uncompressed.
     """
+    step_kind = StepState       # what reset_step makes; a frontend's subclass adds its engine's
 
     def __init__(self, model, comm, config=None, uncompressed=(), **options):
         """comm: the Communicator of the ranks that reduce; config: a GiftConfig (None: the
@@ -151,6 +152,11 @@ class GiftCore(GiftStateBase):
     # ---------------------------------------------------------------- one step
     def new_pipeline(self):
         return StagePipeline(self.buckets, self.telemetry)
+
+    def reset_step(self):
+        """A new step state (the frontend's step_kind) for the next step: after a step ends and
+        after a checkpoint loads."""
+        self.current = self.step_kind(pipeline=self.new_pipeline())
 
     def begin_step(self, largest_step=None):
         """At a step's first gradient, on every rank: whether this step compresses (False during
@@ -355,7 +361,7 @@ class GiftCore(GiftStateBase):
         self.plan.load_state_dict(state["plan"])
         if self.topology is not None:
             self._load_rank_state(self._pending_rank_state)
-        self._reset_step()
+        self.reset_step()
 
     def _load_rank_state(self, saved):
         self._pending_rank_state = NOTHING_PENDING

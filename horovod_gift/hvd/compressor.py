@@ -57,6 +57,7 @@ class GIFT(GiftCore, Compressor):
     flat reduction when only the process sets are missing. node_size: None takes Horovod's local
     size. Warm-up steps (start_step) take Horovod's fp32 path.
     """
+    step_kind = HorovodStep
 
     @with_options()
     def __init__(self, model, *, process_set=None, config=None, **options):
@@ -75,7 +76,7 @@ class GIFT(GiftCore, Compressor):
         # Parameters frozen now and trained later take an fp32 path: buckets must not wait for them.
         self.unhooked = internals.UnhookedParameters(self.params, self.nonfinite, self.verbose)
         self.grad_names = internals.GradientNames(self.params)
-        self._reset_step()
+        self.reset_step()
         internals.refuse_other_optimizers(self, GIFT)
         weakref.finalize(self, self.statistics.remove_hooks)
 
@@ -145,7 +146,7 @@ class GIFT(GiftCore, Compressor):
             self.check_finite(name, result)
         except FloatingPointError:
             self.scrub(self.current.pipeline)
-            self._reset_step()
+            self.reset_step()
             raise
         self.current.outstanding -= 1
         if self.current.outstanding == 0:
@@ -153,9 +154,6 @@ class GIFT(GiftCore, Compressor):
         return result
 
     # ---------------------------------------------------------------- one step
-    def _reset_step(self):
-        self.current = HorovodStep(pipeline=self.new_pipeline())
-
     def _begin_step(self, device):
         self.current.in_step = True
         t0 = time.perf_counter()
@@ -183,7 +181,7 @@ class GIFT(GiftCore, Compressor):
         self.scrub(self.current.pipeline)
         self.unhooked.average(self.current.sent, self.average, self.process_set)
         self.end_step(voted=not self.current.joined)
-        self._reset_step()
+        self.reset_step()
 
 
 def _check_instance(obj):

@@ -11,7 +11,9 @@ cache by name).
 
 Ranks are the communicator's own (0 .. size - 1), also for a broadcast's root.
 """
+import contextlib
 import pickle
+import threading
 from abc import ABC, abstractmethod
 
 import torch
@@ -82,23 +84,30 @@ class Communicator(ABC):
 
 class LocalGroup:
     """n ranks in one process, each a LocalCommunicator (communicators()): for tests and
-    simulations that drive every rank from one thread. The c-th call of a name on one rank
-    meets the c-th call of it on the others; its wait() needs all of them made first. Received
-    tensors are new, as from a network."""
+    simulations. The c-th call of a name on one rank meets the c-th call of it on the others.
+    Driven from one thread, a wait() needs all of them made first (else it raises); with
+    threads=True each rank runs in a thread of its own and wait() blocks until the others have
+    made the call (timeout seconds, then it raises). Received tensors are new, as from a
+    network."""
 
-    def __init__(self, n):
+    def __init__(self, n, threads=False, timeout=60.0):
         self.n, self.sent, self.calls, self.waited = n, {}, {}, {}
         self.ready = {}         # (name, call, rank) -> ready_event of what was sent
         self.latest = {}        # name -> what its last waited call gave (for inspection)
+        self.arrived = threading.Condition() if threads else None
+        self.timeout = timeout
 
     def communicators(self):
         return [LocalCommunicator(self, rank) for rank in range(self.n)]
 
     def post(self, name, rank, value, combine):
         """value: the tensor (or tuple of tensors) rank sends, copied on the current stream."""
-        call = self.calls[name, rank] = self.calls.get((name, rank), 0) + 1
-        self.sent[name, call, rank] = value
-        self.ready[name, call, rank] = ready_event(value)
+        with self.arrived or contextlib.nullcontext():
+            call = self.calls[name, rank] = self.calls.get((name, rank), 0) + 1
+            self.sent[name, call, rank] = value
+            self.ready[name, call, rank] = ready_event(value)
+            if self.arrived:
+                self.arrived.notify_all()
         return LocalHandle(self, (name, call), combine)
 
 
@@ -124,6 +133,15 @@ class LocalHandle(Handle):
                                               for k in range(self.group.n))
 
     def wait(self):
+        if self.group.arrived is None:
+            return self._wait()
+        with self.group.arrived:
+            if not self.group.arrived.wait_for(self.poll, self.group.timeout):
+                raise TimeoutError(f"LocalGroup: call {self.key[1]} of {self.key[0]}: the other "
+                                   f"ranks did not make it within {self.group.timeout} s")
+            return self._wait()
+
+    def _wait(self):
         if self.result is not None:
             return self.result
         group, n = self.group, self.group.n
