@@ -16,12 +16,15 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TRITON_INTERPRET=1   # kernels run in Triton's CPU interpreter here; a GPU run uses benchmarks/gpu_check.py
 mkdir -p .build
 failed=()
+timings=()      # "seconds  suite", printed at the end: where make test's time goes
 
 if [ "$which" = all ] || [ "$which" = unit ]; then
   echo "=== tests/ (single process) ==="
   # two workers of one thread each: most of the time is the Triton interpreter, one core each
+  start=$SECONDS
   OMP_NUM_THREADS=1 "$PY" -m pytest tests -q -n 2
   rc=$?
+  timings+=("$((SECONDS - start))s  tests/")
   # pytest exit 5 means no test was collected: that is a failure of the suite, not a pass.
   [ $rc -eq 0 ] || failed+=("tests/ (pytest exit $rc)")
 fi
@@ -31,8 +34,10 @@ fi
 run_suite() {
   local name=$1 prefix=$2; shift 2
   rm -f "$prefix"-rank*.log
+  local start=$SECONDS
   timeout --kill-after=30 "$MPI_SUITE_TIMEOUT" "$@"
   local rc=$?
+  timings+=("$((SECONDS - start))s  $name")
   if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
     echo "HUNG: $name did not finish within ${MPI_SUITE_TIMEOUT}s and was killed."
     for f in "$prefix"-rank*.log; do echo "--- last lines of $f"; tail -n 5 "$f"; done
@@ -92,9 +97,13 @@ fi
 if [ "$which" = all ] || [ "$which" = robustness ]; then
   # The fault campaign on 2 ranks (about 3 minutes); `python benchmarks/robustness.py` also runs 4.
   echo "=== benchmarks/robustness.py --nps 2 (bad input, rank disagreement, crashes; each case under a watchdog) ==="
+  start=$SECONDS
   "$PY" benchmarks/robustness.py --nps 2 || failed+=("robustness campaign")
+  timings+=("$((SECONDS - start))s  robustness campaign")
 fi
 
+echo "=== time per suite ==="
+printf '  %s\n' "${timings[@]}"
 if [ ${#failed[@]} -gt 0 ]; then
   printf 'FAILED: %s\n' "${failed[@]}"
   exit 1
