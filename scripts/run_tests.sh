@@ -86,10 +86,11 @@ fi
 
 if [ "$which" = all ] || [ "$which" = torch ]; then
   # FSDP across nodes (test_fsdp_hops.py) needs 2 nodes of 2 ranks or more: 4 ranks as 2 x 2
-  echo "=== torchrun_tests/ under torchrun --nproc-per-node 2 (DDP and FSDP2 on gloo) ==="
+  echo "=== torchrun_tests/ under torchrun --nproc-per-node 2 (DDP, FSDP2 and the trainers on gloo) ==="
   run_torchrun 2 torchrun_tests --ignore=torchrun_tests/test_fsdp_hops.py
   echo "=== torchrun_tests/ under torchrun --nproc-per-node 4 (and FSDP2 across 2 x 2 nodes) ==="
-  run_torchrun 4 torchrun_tests
+  # the trainers' integrations run on 2 ranks only: what they add is the trainer's glue
+  run_torchrun 4 torchrun_tests --ignore=torchrun_tests/test_integrations.py
   echo "=== torchrun_tests/test_fsdp_hops.py under torchrun --nproc-per-node 8 (2 x 4 nodes) ==="
   run_torchrun 8 torchrun_tests/test_fsdp_hops.py -k "$FSDP_HOPS_AT_8"
 fi

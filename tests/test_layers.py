@@ -1,9 +1,12 @@
 """The library's layers, bottom to top: codec (the wire format) and geometry (the transforms), then
 reduce (how bytes travel and are summed), core (a model's state and step), then the frontends
 (ddp, fsdp, hvd, over torch_comm or Horovod). A layer imports only those below it, and only the
-Horovod frontend imports horovod (a torch-only install runs the rest)."""
+Horovod frontend imports horovod (a torch-only install runs the rest); integrations, the trainers'
+glue, sits on the torch frontends."""
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -19,6 +22,8 @@ ALLOWED = {
     "ddp": SHARED | BELOW_FRONTENDS,
     "fsdp": SHARED | BELOW_FRONTENDS,
     "hvd": SHARED | {"codec", "geometry", "reduce", "core"},
+    # the trainers' glue, over the torch frontends (never Horovod's)
+    "integrations": SHARED | BELOW_FRONTENDS | {"ddp", "fsdp"},
 }
 
 
@@ -57,4 +62,12 @@ def test_a_layer_imports_only_those_below_it(layer):
 def test_every_module_belongs_to_a_layer():
     top = {p.stem for p in PACKAGE.glob("*.py")} | {p.name for p in PACKAGE.iterdir()
                                                      if (p / "__init__.py").exists()}
-    assert top - set(ALLOWED) - {"__init__", "integrations"} <= SHARED, sorted(top)
+    assert top - set(ALLOWED) - {"__init__"} <= SHARED, sorted(top)
+
+
+def test_the_library_imports_no_trainer_it_is_not_asked_for():
+    """The trainers are optional extras: the library and integrations.engines import none."""
+    code = ("import sys, horovod_gift, horovod_gift.integrations.engines; "
+            "print(sorted({'lightning', 'accelerate', 'transformers'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
