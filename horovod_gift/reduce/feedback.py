@@ -131,7 +131,7 @@ class ErrorFeedback:
         for bucket, r2 in state["residual2"].items():
             sizes = [self.params[n].numel() for n in self.buckets[bucket]]
             for n, size in zip(self.buckets[bucket], sizes):
-                stage1.setdefault(n, torch.zeros(size, dtype=r2.dtype))
+                stage1.setdefault(n, torch.zeros(size, dtype=r2.dtype, device=r2.device))
             fold_into([stage1[n] for n in self.buckets[bucket]], r2, owned(sizes), scale)
         return {"residual1": stage1, "residual2": {}, "spread": sorted(stage1)}
 

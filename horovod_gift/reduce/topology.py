@@ -73,7 +73,8 @@ def choose_topology(kind, node_size, comm, subset, launcher, node_comms):
         return Flat(comm)
     # every rank's view, even where each could decide alone: ranks given different node sizes
     # must all reach plan_nodes' error, not wait in a collective the others skip
-    view = torch.tensor([[node_size or 0, *launcher, comm.rank]], dtype=torch.int64)
+    # host metadata: a communicator whose backend needs the device moves it there
+    view = torch.tensor([[node_size or 0, *launcher, comm.rank]], dtype=torch.int64, device="cpu")
     views = comm.allgather_async(view, "gift.topology").wait().view(comm.size, -1).tolist()
     ranks = comm.size
     per_node, why = plan_nodes(views, ranks)
