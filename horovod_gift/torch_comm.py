@@ -143,4 +143,5 @@ def torch_topology(kind, node_size, group=None, device=None):
         return (TorchCommunicator(node, device), TorchCommunicator(cross, device)), None
     launcher = (int(os.environ.get("LOCAL_WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
     return choose_topology(kind, node_size, TorchCommunicator(group, device),
-                           None if everyone else "a subgroup", launcher, node_comms)
+                           None if everyone else "a subgroup", launcher, node_comms,
+                           "the default process group")

@@ -109,4 +109,5 @@ def horovod_topology(kind, node_size, process_set):
         return (HorovodCommunicator(node), HorovodCommunicator(cross)), None
     return choose_topology(kind, node_size, HorovodCommunicator(process_set),
                            None if everyone else f"the ranks {process_set.ranks}",
-                           (hvd.local_size(), hvd.local_rank()), node_comms)
+                           (hvd.local_size(), hvd.local_rank()), node_comms,
+                           "Horovod's global process set")

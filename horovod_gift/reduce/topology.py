@@ -56,20 +56,21 @@ def plan_nodes(views, ranks):
     return node_size, None
 
 
-def choose_topology(kind, node_size, comm, subset, launcher, node_comms):
+def choose_topology(kind, node_size, comm, subset, launcher, node_comms, everyone):
     """The Topology of a reduction over comm, the same on every rank (every engine's planner).
     kind: "flat" | "two-hop" | "auto"; subset: None when comm holds every rank in order, else
-    the words that name the ranks it holds (two hops reduce over every rank); launcher: (local
-    size, local rank) of this rank as its launcher placed it; node_comms(groups): this rank's
-    node and cross communicators among groups (the nodes' ranks, then each local rank's across
-    nodes; every rank makes every group, in order), or (None, why not). Collective over comm
+    the words that name the ranks it holds (two hops reduce over every rank: `everyone`, in the
+    engine's words); launcher: (local size, local rank) of this rank as its launcher placed it;
+    node_comms(groups): this rank's node and cross communicators among groups (the nodes' ranks,
+    then each local rank's across nodes; every rank makes every group, in order), or (None, why
+    not). Collective over comm
     for "auto" and "two-hop": every rank decides the same, and raises the same error."""
     if kind == "flat":
         return Flat(comm)
     if subset is not None:
         if kind == "two-hop":
-            raise ValueError("GIFT: topology='two-hop' reduces over every rank, but the "
-                             f"gradients are reduced over {subset}; use topology='flat'")
+            raise ValueError(f"GIFT: topology='two-hop' reduces over every rank ({everyone}), "
+                             f"but the gradients are reduced over {subset}; use topology='flat'")
         return Flat(comm)
     # every rank's view, even where each could decide alone: ranks given different node sizes
     # must all reach plan_nodes' error, not wait in a collective the others skip
