@@ -1,5 +1,6 @@
-"""Dense whitening, for comparison with the library's low-rank maps (horovod_gift/geometry.py):
-not part of the library, since it costs O(in^2) memory and O(out * in^2) time per layer.
+"""Dense whitening, for comparison with the library's low-rank maps
+(horovod_gift/geometry/whitening.py): not part of the library, since it costs O(in^2) memory and
+O(out * in^2) time per layer.
 
 - DenseCovariance: the dense input statistic A = E[x x^T] (fp64, exact eigenpairs), against
   the library's Nystrom sketch: InputWhitening(n, statistic=DenseCovariance(n)).
@@ -11,8 +12,8 @@ benchmarks/fidelity.py and codec.py compare with them; tests use them as exact r
 """
 import torch
 
-from horovod_gift.geometry.whitening import InputWhitening, diagonal_remainder
 from horovod_gift.geometry.sketch import EmaStatistic
+from horovod_gift.geometry.whitening import InputWhitening, diagonal_remainder
 
 DENSE_ROOTS = ("cholesky", "symmetric")
 

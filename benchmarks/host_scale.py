@@ -20,6 +20,7 @@ from there, as example_codec.py does; a commit from before the Communicator is d
 stand-in for horovod.torch in its collective.py). Writes benchmarks/results/host_scale.md (--out).
 """
 import argparse
+import importlib
 import json
 import os
 import pathlib
@@ -31,14 +32,19 @@ import time
 import torch
 from earlier_tree import earlier_tree
 
-from horovod_gift.reduce import collective
-from horovod_gift.reduce.collective import BucketReduction, Codec, bucket_pieces, fill_buckets
-from horovod_gift.reduce.feedback import ErrorFeedback
+try:
+    from horovod_gift.reduce import collective, feedback
+except ImportError:         # --before a commit from before the subpackages (0.3.0's first trees)
+    from horovod_gift import collective, feedback
+BucketReduction, Codec = collective.BucketReduction, collective.Codec
+bucket_pieces, fill_buckets = collective.bucket_pieces, collective.fill_buckets
+ErrorFeedback = feedback.ErrorFeedback
 
 # a commit from before the Communicator: its collective.py calls horovod.torch itself
 LEGACY = hasattr(collective, "hvd")
 if not LEGACY:
-    from horovod_gift.reduce.communicator import Communicator, Done
+    communicator = importlib.import_module(collective.__package__ + ".communicator")
+    Communicator, Done = communicator.Communicator, communicator.Done
 else:
     Communicator = object
 

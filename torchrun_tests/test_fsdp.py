@@ -2,12 +2,16 @@
 import pytest
 import torch
 import torch.distributed as dist
+from fsdp_checks import (
+    check_non_finite_comes_back_nan,
+    check_reduced_shards_close_to_fp32,
+    check_resume_is_bit_identical,
+    full,
+)
+from helpers import Net, assert_identical_on_all_ranks, gathered, loss_of, train
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_checks import (check_non_finite_comes_back_nan, check_reduced_shards_close_to_fp32,
-                         check_resume_is_bit_identical, full)
-from helpers import Net, assert_identical_on_all_ranks, gathered, loss_of, train
 from horovod_gift.fsdp import attach
 
 OPTIONS = dict(format="nvfp4", refresh_every=2, verbose=False)
@@ -47,6 +51,21 @@ def test_the_reduced_shards_are_close_to_fsdp_fp32_on_the_same_batch(transform):
 
 def test_checkpoint_resume_is_bit_identical():
     check_resume_is_bit_identical(make, OPTIONS)
+
+
+def test_a_checkpoint_of_0_3_0s_first_fsdp_release_still_loads():
+    """Its configuration had no param_format (it all-gathered fp32): it loads into a state that
+    all-gathers fp32, and a state that all-gathers FP8 refuses it, naming both."""
+    model, opt, state = make(**OPTIONS)
+    train(model, opt, 2)
+    saved = state.state_dict()
+    del saved["config"]["param_format"]
+    _, _, fresh = make(**OPTIONS)
+    fresh.load_state_dict(saved)
+    assert fresh.step == 2
+    _, _, fp8 = make(**OPTIONS, param_format="fp8_e4m3")
+    with pytest.raises(ValueError, match="saved with"):
+        fp8.load_state_dict(saved)
 
 
 def test_a_non_finite_gradient_comes_back_nan_and_the_next_step_is_finite():

@@ -186,16 +186,47 @@ def test_the_transformers_trainer_trains_with_gift_and_resumes_bit_for_bit(tmp_p
 
 
 # ---------------------------------------------------------------- GIFT asked for, not running
-def test_a_hook_the_engine_never_called_raises():
+def test_a_hook_the_engine_never_called_raises_at_the_first_optimizer_step():
+    """The engine reduces without GIFT (here no_sync: DDP calls no hook; a trainer that replaced
+    the model or its hook does the same): the optimizer's step raises, naming the cause."""
+    model = DistributedDataParallel(tiny_gpt2())
+    engines.install(model, **GIFT)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    other.step()                    # an optimizer over other parameters is not the model's
+    x = sequences(4, seed=3)
+    with model.no_sync():
+        model(input_ids=x, labels=x).loss.backward()
+    with pytest.raises(RuntimeError, match="stepped before the engine called GIFT once"):
+        optimizer.step()
+
+
+def test_a_compiled_model_gets_gift_on_the_model_it_compiled():
+    model = DistributedDataParallel(tiny_gpt2())
+    state = engines.install(torch.compile(model), **GIFT)
+    assert state.stats()["payload_bytes"] == 0
+    x = sequences(4, seed=3)
+    model(input_ids=x, labels=x).loss.backward()
+    assert state.stats()["payload_bytes"] > 0
+
+
+def test_a_rank_the_saving_job_lacked_resumes_from_rank_0s_shared_state(tmp_path):
+    """A job that grows: a rank with no file of its own takes rank 0's shared part (its
+    residuals restart at zero), so the ranks agree on the step and train on."""
+    folder = shared_folder(tmp_path)
     model = DistributedDataParallel(tiny_gpt2())
     state = engines.install(model, **GIFT)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = sequences(4, seed=3)
-    with model.no_sync():           # DDP reduces nothing: GIFT never runs
-        model(input_ids=x, labels=x).loss.backward()
-    optimizer.step()
-    with pytest.raises(RuntimeError, match="has not called it once"):
-        engines.check_engaged(state, optimizer_steps=1)
+    x = sequences(4, seed=3 + torch.distributed.get_rank())
+    model(input_ids=x, labels=x).loss.backward()
+    files = engines.RankFiles(state)
+    if torch.distributed.get_rank() == 0:
+        files.save(folder)
+    torch.distributed.barrier()
+    model = DistributedDataParallel(tiny_gpt2())
+    resumed = engines.install(model, **GIFT)
+    engines.RankFiles(resumed).load(folder)
+    model(input_ids=x, labels=x).loss.backward()        # the ranks' agreement check passes
+    assert resumed.step == state.step + 1
 
 
 def test_engines_gift_cannot_serve_are_refused_by_name():

@@ -43,8 +43,10 @@ def check_ranks_agree(comm, config):
 
 
 class GiftStateBase:
-    """label: the name errors and logs give this kind of state."""
+    """label: the name errors and logs give this kind of state; CONFIG_ADDED: configuration
+    keys a kind added after its first checkpoints, with the value those checkpoints meant."""
     label = "GIFT"
+    CONFIG_ADDED = {}
 
     def __init__(self, model, config, whitenable, comm):
         """config: the GiftConfig; whitenable: name -> weight of those the whitening may take;
@@ -145,8 +147,9 @@ class GiftStateBase:
     def load_state_dict(self, state):
         """Load a state_dict(): the shared part now, the per-rank part at the next step (or now,
         where the ranks are known: apply_loaded); the ranks check they agree at that step."""
-        if state["config"] != self.config():
-            raise ValueError(f"{self.label}.load_state_dict: saved with {state['config']}, "
+        saved = dict(self.CONFIG_ADDED, **state["config"])
+        if saved != self.config():
+            raise ValueError(f"{self.label}.load_state_dict: saved with {saved}, "
                              f"this state is {self.config()}")
         self.step = state["step"]
         self.statistics.load_state_dict(state["statistics"])

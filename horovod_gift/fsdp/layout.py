@@ -62,6 +62,7 @@ class FsdpGiftState(GiftStateBase):
     """
 
     label = "GIFT (FSDP)"
+    CONFIG_ADDED = {"param_format": None}    # 0.3.0's first FSDP checkpoints all-gathered fp32
 
     def __init__(self, model, config=None, **options):
         config = GiftConfig.of(config, GiftConfig.for_fsdp, options)

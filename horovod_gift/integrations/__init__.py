@@ -6,7 +6,8 @@ trainers are optional extras: pip install horovod-gift[trainers]):
     hf_trainer.use_gift          the transformers Trainer (and its subclasses)
     engines.install              any DistributedDataParallel or fully_shard model
 
-Each one refuses a model GIFT cannot serve (DeepSpeed, FSDP1, DataParallel) by name, raises if
-the engine never ran GIFT's hook by the end of the first optimizer step (a trainer that dropped
-the hook would otherwise train in fp32 without a word), and saves each rank's GIFT state beside
-the trainer's checkpoint, so that a resume is bit for bit. torchtitan: docs/trainers.md."""
+Each one refuses a model GIFT cannot serve (DeepSpeed, FSDP1, DataParallel) by name, raises at
+the first optimizer step if the engine never called GIFT (a trainer that dropped the hook would
+otherwise train in fp32 without a word), hands fp16's GradScaler to GIFT, and saves each rank's
+GIFT state beside the trainer's checkpoint, so that a resume is bit for bit. torchtitan:
+docs/trainers.md."""

@@ -7,8 +7,9 @@
 DDP (MULTI_GPU, MULTI_CPU) gets GIFT's hook, FSDP2 (FullyShardedDataParallelPlugin with
 fsdp_version=2) gets fsdp.attach. DistributedDataParallelKwargs(comm_hook=...) takes only
 Accelerate's own DDPCommunicationHookType and maps anything else to no hook at all: install()
-refuses such a setting by name rather than let GIFT look installed. accelerator.save_state /
-load_state keep each rank's GIFT state in the checkpoint folder (gift-rank{rank}.pt)."""
+refuses such a setting by name rather than let GIFT look installed. fp16's GradScaler
+(mixed_precision="fp16") is handed to GIFT. accelerator.save_state / load_state keep each rank's
+GIFT state in the checkpoint folder (gift-rank{rank}.pt)."""
 from accelerate.utils import DDPCommunicationHookType
 
 from .engines import RankFiles
@@ -27,7 +28,7 @@ def install(accelerator, model, config=None, **options):
         raise ValueError(f"GIFT: DistributedDataParallelKwargs(comm_hook={hook!r}): Accelerate "
                          "takes only its DDPCommunicationHookType there and registered no hook "
                          "for this one; remove comm_hook and call install(accelerator, model)")
-    state = install_on_model(model, config, **options)
+    state = install_on_model(model, config, grad_scaler=accelerator.scaler, **options)
     if state is not None:
         files = RankFiles(state)
         accelerator.register_save_state_pre_hook(lambda models, weights, folder:

@@ -5,38 +5,45 @@
 
 On DDPStrategy it registers GIFT's hook itself: Lightning's own ddp_comm_hook option registers a
 hook only on CUDA devices and drops it elsewhere without a word. On ModelParallelStrategy (FSDP2:
-fully_shard in configure_model) it attaches GIFT to the sharded model. Each rank's GIFT state is
-saved with every checkpoint, in directory/step{global_step}/gift-rank{rank}.pt (directory:
-trainer.default_root_dir/gift unless given), and loaded when training resumes from it."""
+fully_shard in configure_model) it attaches GIFT to the sharded model. fp16 training's
+GradScaler (precision="16-mixed") is handed to GIFT. Each rank's GIFT state is saved with every
+checkpoint, in directory/step{global_step}/gift-rank{rank}.pt (directory:
+trainer.default_root_dir/gift unless given), and loaded when training resumes from it; the
+folders of all but the last keep_last checkpoints are removed (GIFT's per-rank state is about
+the size of the model's gradients: a resume from an older checkpoint restarts it, with a
+warning)."""
+import contextlib
 import os
+import shutil
 
 import lightning.pytorch as pl
 
-from .engines import RankFiles, check_engaged, install
+from .engines import RankFiles, install
 
 
 class GiftCallback(pl.Callback):
     """config: a GiftConfig; options: fields of it to replace (GiftConfig documents each);
-    directory: where each rank's GIFT state goes at a checkpoint. After fit starts, .state is
-    GIFT's state (stats(), describe())."""
+    directory: where each rank's GIFT state goes at a checkpoint; keep_last: how many of those
+    checkpoints keep it. After fit starts, .state is GIFT's state (stats(), describe())."""
 
-    def __init__(self, config=None, *, directory=None, **options):
-        self.config, self.options, self.directory = config, options, directory
+    def __init__(self, config=None, *, directory=None, keep_last=2, **options):
+        self.config, self.options = config, options
+        self.directory, self.keep_last = directory, keep_last
         self.trainer = self.state = self.files = self.resume_from = None
-        self.checked = False
+        self.saved = []         # this fit's GIFT folders, oldest first
 
     def on_fit_start(self, trainer, pl_module):
         self.trainer = trainer
         self.directory = self.directory or os.path.join(trainer.default_root_dir, "gift")
-        self.state = install(trainer.strategy.model, self.config, **self.options)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.state = install(trainer.strategy.model, self.config, grad_scaler=scaler,
+                             **self.options)
         self.files = self.state and RankFiles(self.state)
         if self.files and self.resume_from is not None:
             self.files.load(self.resume_from)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if not self.checked and trainer.global_step > 0:
-            check_engaged(self.state, trainer.global_step)
-            self.checked = True
+    def on_fit_end(self, trainer, pl_module):
+        self.resume_from = None     # a later fit() without ckpt_path starts from this state
 
     def folder(self):
         return os.path.join(self.directory, f"step{self.trainer.global_step}")
@@ -46,8 +53,18 @@ class GiftCallback(pl.Callback):
         return {"folder": self.folder()} if self.files else {}
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-        if self.files:          # on every rank
-            self.files.save(self.folder())
+        if not self.files:
+            return
+        folder = self.folder()      # on every rank: its own file
+        self.files.save(folder)
+        if folder not in self.saved:
+            self.saved.append(folder)
+        while len(self.saved) > self.keep_last:
+            old = self.saved.pop(0)
+            with contextlib.suppress(FileNotFoundError):    # rank 0 may have removed it all
+                os.remove(RankFiles.path(old))
+            if trainer.is_global_zero:
+                shutil.rmtree(old, ignore_errors=True)
 
     def load_state_dict(self, state_dict):
         # Lightning restores callbacks before on_fit_start under DDP, after it under FSDP2
