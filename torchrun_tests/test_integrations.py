@@ -4,48 +4,28 @@ within 1 % of the same trainer without GIFT, GIFT's stats showing compressed byt
 from the trainer's checkpoint is bit for bit; and every way GIFT could be asked for and not run
 says so."""
 import os
+import pathlib
+import sys
 
 import pytest
 import torch
-import transformers
 from conftest import allgather
 from helpers import assert_identical_on_all_ranks
 from torch.nn.parallel import DistributedDataParallel
 
 from horovod_gift.integrations import engines
 
-VOCAB, LENGTH, BATCH, STEPS_AN_EPOCH = 64, 16, 8, 8
-GIFT = {"format": "nvfp4", "min_elements": 1024}
-
-
-def tiny_gpt2():
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2,
-                                     n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(config)
-
-
-def sequences(count, seed):
-    """Token t+1 = (5 t + 3) mod VOCAB from a random first token, with one token in 8 random:
-    a language model learns it in a few dozen steps."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.empty(count, LENGTH, dtype=torch.long)
-    x[:, 0] = torch.randint(0, VOCAB, (count,), generator=g)
-    for t in range(1, LENGTH):
-        x[:, t] = (5 * x[:, t - 1] + 3) % VOCAB
-    noise = torch.rand(count, LENGTH, generator=g) < 0.125
-    return torch.where(noise, torch.randint(0, VOCAB, (count, LENGTH), generator=g), x)
-
-
-def train_set():
-    return sequences(BATCH * STEPS_AN_EPOCH * torch.distributed.get_world_size(), seed=1)
-
-
-def held_out_loss(model):
-    model = getattr(model, "module", model)
-    with torch.no_grad():
-        x = sequences(64, seed=2)
-        return float(model(input_ids=x, labels=x).loss)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+from train_trainers import (  # noqa: E402
+    GIFT,
+    STEPS_AN_EPOCH,
+    accelerate_train,
+    held_out_loss,
+    hf_train,
+    lightning_fit,
+    sequences,
+    tiny_gpt2,
+)
 
 
 def shared_folder(tmp_path):
@@ -66,34 +46,6 @@ def assert_follows(with_gift, without, state):
     assert stats["payload_bytes"] < 0.5 * 4 * stats["elements"], stats
 
 
-# ---------------------------------------------------------------- Lightning
-def lightning_fit(folder, epochs, gift, resume=None):
-    import lightning.pytorch as pl
-
-    from horovod_gift.integrations.lightning import GiftCallback
-
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = tiny_gpt2()
-
-        def training_step(self, batch, index):
-            return self.model(input_ids=batch, labels=batch).loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-    callback = GiftCallback(**GIFT) if gift else None
-    trainer = pl.Trainer(accelerator="cpu", devices=torch.distributed.get_world_size(),
-                         strategy="ddp", max_epochs=epochs, default_root_dir=folder,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[callback] if gift else [])
-    module = Module()
-    data = torch.utils.data.DataLoader(train_set(), batch_size=BATCH)
-    trainer.fit(module, data, ckpt_path=resume)
-    return trainer, module.model, callback
-
-
 def test_lightning_trains_with_gift_on_cpu_ddp_and_resumes_bit_for_bit(tmp_path):
     folder = shared_folder(tmp_path)
     _, plain, _ = lightning_fit(folder, 3, gift=False)
@@ -107,29 +59,6 @@ def test_lightning_trains_with_gift_on_cpu_ddp_and_resumes_bit_for_bit(tmp_path)
     _, resumed, _ = lightning_fit(folder, 3, gift=True, resume=checkpoint)
     for a, b in zip(weights(resumed), weights(model)):
         assert torch.equal(a, b)
-
-
-# ---------------------------------------------------------------- Accelerate
-def accelerate_train(folder, epochs, gift, first_epoch=0, ddp_kwargs=None):
-    from accelerate import Accelerator
-
-    from horovod_gift.integrations.accelerate import install
-
-    accelerator = Accelerator(cpu=True, kwargs_handlers=[ddp_kwargs] if ddp_kwargs else None)
-    model = tiny_gpt2()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    data = torch.utils.data.DataLoader(train_set(), batch_size=BATCH * 2)
-    model, optimizer, data = accelerator.prepare(model, optimizer, data)
-    state = install(accelerator, model, **GIFT) if gift else None
-    if first_epoch:
-        accelerator.load_state(os.path.join(folder, f"epoch{first_epoch}"))
-    for epoch in range(first_epoch, epochs):
-        for batch in data:
-            accelerator.backward(model(input_ids=batch, labels=batch).loss)
-            optimizer.step()
-            optimizer.zero_grad()
-        accelerator.save_state(os.path.join(folder, f"epoch{epoch + 1}"))
-    return model, state
 
 
 def test_accelerate_trains_with_gift_and_resumes_bit_for_bit(tmp_path):
@@ -153,22 +82,6 @@ def test_accelerate_refuses_a_comm_hook_it_would_drop(tmp_path):
     with pytest.raises(ValueError, match="takes only its DDPCommunicationHookType"):
         accelerate_train(shared_folder(tmp_path), 1, gift=True,
                          ddp_kwargs=DistributedDataParallelKwargs(comm_hook=gift_hook))
-
-
-# ---------------------------------------------------------------- the transformers Trainer
-def hf_train(folder, epochs, gift, resume=None):
-    from horovod_gift.integrations.hf_trainer import use_gift
-
-    rows = [{"input_ids": x, "labels": x} for x in train_set()]
-    args = transformers.TrainingArguments(
-        output_dir=folder, per_device_train_batch_size=BATCH, num_train_epochs=epochs,
-        learning_rate=1e-2, lr_scheduler_type="constant", weight_decay=0.0,
-        save_strategy="epoch", logging_strategy="no", report_to=[], use_cpu=True,
-        ddp_backend="gloo", seed=0, disable_tqdm=True)
-    trainer = transformers.Trainer(model=tiny_gpt2(), args=args, train_dataset=rows)
-    callback = use_gift(trainer, **GIFT) if gift else None
-    trainer.train(resume_from_checkpoint=resume)
-    return trainer.model, callback
 
 
 def test_the_transformers_trainer_trains_with_gift_and_resumes_bit_for_bit(tmp_path):
@@ -240,45 +153,6 @@ def test_engines_gift_cannot_serve_are_refused_by_name():
         engines.install(model, **GIFT)
 
 
-# ---------------------------------------------------------------- FSDP2 under Lightning
-def lightning_fsdp_fit(folder, epochs, gift, resume=None):
-    import lightning.pytorch as pl
-    from lightning.pytorch.strategies import ModelParallelStrategy
-    from torch.distributed.fsdp import fully_shard
-
-    from horovod_gift.integrations.lightning import GiftCallback
-
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = tiny_gpt2()
-
-        def configure_model(self):
-            mesh = self.device_mesh["data_parallel"]
-            for block in self.model.transformer.h:
-                fully_shard(block, mesh=mesh)
-            fully_shard(self.model, mesh=mesh)
-
-        def training_step(self, batch, index):
-            return self.model(input_ids=batch, labels=batch).loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-    callback = GiftCallback(**GIFT) if gift else None
-    world = torch.distributed.get_world_size()
-    trainer = pl.Trainer(accelerator="cpu", devices=world, max_epochs=epochs,
-                         strategy=ModelParallelStrategy(data_parallel_size=world,
-                                                        tensor_parallel_size=1),
-                         default_root_dir=folder, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[callback] if gift else [])
-    module = Module()
-    data = torch.utils.data.DataLoader(train_set(), batch_size=BATCH)
-    trainer.fit(module, data, ckpt_path=resume)
-    return trainer, module.model, callback
-
-
 def local_shards(model):
     """This rank's shard of every parameter (a forward outside training leaves them gathered)."""
     from torch.distributed.fsdp import FSDPModule
@@ -290,21 +164,15 @@ def local_shards(model):
 
 def test_lightning_trains_fsdp2_with_gift_and_resumes_bit_for_bit(tmp_path):
     folder = shared_folder(tmp_path)
-    _, plain, _ = lightning_fsdp_fit(folder, 3, gift=False)
-    plain_loss = held_out_loss_sharded(plain)
-    trainer, model, callback = lightning_fsdp_fit(folder, 3, gift=True)
-    assert_follows(held_out_loss_sharded(model), plain_loss, callback.state)
+    _, plain, _ = lightning_fit(folder, 3, gift=False, fsdp=True)
+    plain_loss = held_out_loss(plain)
+    trainer, model, callback = lightning_fit(folder, 3, gift=True, fsdp=True)
+    assert_follows(held_out_loss(model), plain_loss, callback.state)
 
-    trainer, _, _ = lightning_fsdp_fit(folder, 2, gift=True)
+    trainer, _, _ = lightning_fit(folder, 2, gift=True, fsdp=True)
     checkpoint = os.path.join(folder, "two-epochs")
     trainer.save_checkpoint(checkpoint)
-    _, resumed, _ = lightning_fsdp_fit(folder, 3, gift=True, resume=checkpoint)
+    _, resumed, _ = lightning_fit(folder, 3, gift=True, fsdp=True, resume=checkpoint)
     for a, b in zip(local_shards(resumed), local_shards(model)):
         assert torch.equal(a, b)
 
-
-def held_out_loss_sharded(model):
-    """Every rank runs the held-out batch through the sharded model (FSDP gathers the weights)."""
-    with torch.no_grad():
-        x = sequences(64, seed=2)
-        return float(model(input_ids=x, labels=x).loss)
