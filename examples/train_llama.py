@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from data import ByteBatches, read_corpus  # noqa: E402
-from engines import COMPRESSIONS, make_engine  # noqa: E402
+from engines import COMPRESSIONS, make_engine, shutdown  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
 
 
@@ -437,3 +437,4 @@ def load_compressor(compressor, path, ckpt, rank):
 
 if __name__ == "__main__":
     main()
+    shutdown()

@@ -13,6 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 import transformers
+from engines import shutdown
 
 VOCAB, LENGTH, BATCH, STEPS_AN_EPOCH, LR = 64, 16, 8, 8, 1e-2
 GIFT = {"format": "nvfp4", "min_elements": 1024}
@@ -159,7 +160,7 @@ def main():
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, default=str)
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ fails on all of them with that rank's message, and no rank runs ahead into the n
 collectives. Horovod is made unimportable: the DDP and FSDP frontends must work on a torch-only
 install."""
 import datetime
+import os
 import pathlib
 import sys
 
@@ -19,6 +20,7 @@ import torch.distributed as dist  # noqa: E402
 from outcomes import share_outcome  # noqa: E402
 
 OUTCOMES = []       # the group the outcomes travel on, made once the default group is up
+EXIT_STATUS = []    # pytest's, once the session has finished
 
 
 def pytest_configure(config):
@@ -26,9 +28,20 @@ def pytest_configure(config):
     OUTCOMES.append(dist.new_group(backend="gloo"))
 
 
+def pytest_sessionfinish(session, exitstatus):
+    EXIT_STATUS.append(int(exitstatus))
+
+
 def pytest_unconfigure(config):
+    """End the process without Python's finalization, as examples/engines.shutdown does: a gloo
+    worker that releases a finished collective's tensors while the interpreter finalizes aborts
+    the process (std::terminate), whatever the tests' outcome."""
     if dist.is_initialized():
+        dist.barrier(group=OUTCOMES[0])
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_STATUS[-1] if EXIT_STATUS else 1)
 
 
 @pytest.hookimpl(hookwrapper=True)
