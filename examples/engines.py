@@ -183,14 +183,14 @@ class HsdpEngine(FsdpEngine):
                                 mesh_dim_names=("replicate", "shard"))
 
 
-def shutdown():
-    """End the process without Python's finalization, once every rank is done. A gloo worker
-    thread releases a finished collective's tensors after wait() has returned and needs the GIL
-    for it; one that asks for it while Python finalizes is ended with a C++ exception in flight
-    (std::terminate, SIGABRT: 3 runs in 10 of this script under DDP, still 1 in 20 after a
-    barrier and destroy_process_group, since DDP and GIFT keep the group alive until the
-    interpreter collects them). The script's files are closed and its output flushed here.
-    Horovod's processes end as usual (MPI_Finalize runs at exit)."""
+def shutdown(status=0):
+    """End the process with status, without Python's finalization, once every rank is done. A
+    gloo worker thread releases a finished collective's tensors after wait() has returned and
+    needs the GIL for it; one that asks for it while Python finalizes is ended with a C++
+    exception in flight (std::terminate, SIGABRT: 3 runs in 10 of this script under DDP, still 1
+    in 20 after a barrier and destroy_process_group, since DDP and GIFT keep the group alive
+    until the interpreter collects them). The script's files are closed and its output flushed
+    here. Horovod's processes end as usual (MPI_Finalize runs at exit): this returns."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return
@@ -198,7 +198,7 @@ def shutdown():
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 def make_engine(name, device):

@@ -236,7 +236,6 @@ class GiftState(GiftCore):
         self.reset_step()
 
 
-
 def gift_hook(state, bucket):
     """DDP's communication hook: register it with model.register_comm_hook(GiftState(model),
     gift_hook). Returns the future of the bucket's averaged gradients."""

@@ -23,6 +23,14 @@ def make_model():
                                    torch.nn.Linear(2 * DIM, DIM))
 
 
+def backward(model, rank, step):
+    """The gradients of rank's batch at step, in model's .grad."""
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(BATCH, DIM, generator=generator)
+    model.zero_grad()
+    model(x).square().mean().backward()
+
+
 class LocalFrontend:
     """GiftCore's step as a frontend runs it, over one rank's LocalCommunicator: compressed
     gradients through the core's buckets, the small ones (biases) averaged in fp32."""
@@ -33,10 +41,7 @@ class LocalFrontend:
         self.core.choose_topology(lambda: Flat(comm))
 
     def backward(self, step):
-        generator = torch.Generator().manual_seed(1000 * step + self.comm.rank)
-        x = torch.randn(BATCH, DIM, generator=generator)
-        self.model.zero_grad()
-        self.model(x).square().mean().backward()
+        backward(self.model, self.comm.rank, step)
 
     def step(self, poison=None):
         """The averaged gradients, written into p.grad; poison: a name whose gradient gets an
@@ -101,8 +106,7 @@ def exact_average(n, step):
     total = None
     for rank in range(n):
         model = make_model()
-        LocalFrontend.backward(type("R", (), {"model": model, "comm": type(
-            "C", (), {"rank": rank})()})(), step)
+        backward(model, rank, step)
         grads = {name: p.grad for name, p in model.named_parameters()}
         total = grads if total is None else {k: total[k] + grads[k] for k in total}
     return {k: v / n for k, v in total.items()}

@@ -6,7 +6,6 @@ fails on all of them with that rank's message, and no rank runs ahead into the n
 collectives. Horovod is made unimportable: the DDP and FSDP frontends must work on a torch-only
 install."""
 import datetime
-import os
 import pathlib
 import sys
 
@@ -14,9 +13,11 @@ sys.modules["horovod"] = sys.modules["horovod.torch"] = None   # before horovod_
 # mpi_tests/outcomes.py, shared with the mpirun suites: after this directory, whose helpers.py
 # must win over theirs
 sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent / "mpi_tests"))
+sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from engines import shutdown  # noqa: E402
 from outcomes import share_outcome  # noqa: E402
 
 OUTCOMES = []       # the group the outcomes travel on, made once the default group is up
@@ -33,15 +34,9 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_unconfigure(config):
-    """End the process without Python's finalization, as examples/engines.shutdown does: a gloo
-    worker that releases a finished collective's tensors while the interpreter finalizes aborts
-    the process (std::terminate), whatever the tests' outcome."""
-    if dist.is_initialized():
-        dist.barrier(group=OUTCOMES[0])
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(EXIT_STATUS[-1] if EXIT_STATUS else 1)
+    """End the process with pytest's status and without Python's finalization (engines.shutdown
+    says why: a gloo worker aborts the process otherwise, now and then, whatever the outcome)."""
+    shutdown(EXIT_STATUS[-1] if EXIT_STATUS else 1)
 
 
 @pytest.hookimpl(hookwrapper=True)

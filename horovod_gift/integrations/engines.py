@@ -78,10 +78,13 @@ class EngagementCheck:
         self.handle = register_optimizer_step_post_hook(self)
         weakref.finalize(state, self.handle.remove)
 
+    def holds(self, param):
+        ref = self.params.get(id(param))
+        return ref is not None and ref() is param
+
     def __call__(self, optimizer, args, kwargs):
         state = self.state()
-        mine = [p for group in optimizer.param_groups for p in group["params"]
-                if self.params.get(id(p), _dead)() is p]
+        mine = [p for group in optimizer.param_groups for p in group["params"] if self.holds(p)]
         # a step over zero gradients is not training's: torch.distributed.checkpoint steps once
         # so to build an optimizer's state before loading it
         if state is None or not any(_nonzero(p.grad) for p in mine):
@@ -99,10 +102,6 @@ def _nonzero(grad):
     if grad is None:
         return False
     return bool((grad.to_local() if hasattr(grad, "to_local") else grad).any())
-
-
-def _dead():
-    return None
 
 
 class RankFiles:
