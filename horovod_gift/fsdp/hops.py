@@ -14,8 +14,11 @@ summed over the ranks of its group. With L ranks a node and N nodes (rank = node
             FSDP's own fp32 all-reduce across replicas away); its one row is then all-reduced
             across the N replicas, quantized: collective.BucketReduction (stage 1 to each
             1/N's owner, fp32 sum, stage 2 re-quantized and allgathered), so every replica ends
-            with the same bits. Residuals: r1 over the row (1/L of the group), r2 over the
-            owner's 1/N of it (1/(N L)), both in residual_dtype.
+            with the same bits. One residual, r1 over the row (1/L of the group, residual_dtype):
+            stage 2's error, over the owner's 1/N of the row, is folded into r1's same elements
+            (times the divisor) as the step ends, and so re-enters the next step's sum through
+            stage 1. A residual of its own would hold 1/N more; folding only at refresh steps
+            (what 0.3's HSDP did) costs it as well.
 
 Bytes across a node's link per gradient element a step (b: bits an element, scales included):
 OneHop (P - L) / P * b / 8 * L; TwoHops (N - 1) / N * b / 8; Hsdp 2 (N - 1) / N * b / 8, against
@@ -50,19 +53,6 @@ class OneHop:
         mine = state.quantized_reduce_scatter(layout, rows, self.comm, divisor)
         return state.unwhiten(layout, mine)
 
-    def fold_second_stage(self, state):
-        """Before the whitening changes: stage-2 residuals into the stage-1 ones (Hsdp)."""
-
-    def second_stage_residuals(self):
-        return []
-
-    def rank_state(self):
-        """This rank's stage-2 residuals, for a checkpoint."""
-        return {}
-
-    def load_rank_state(self, saved, device):
-        """Stage-2 residuals from rank_state() ({}: restart at zero)."""
-
 
 class TwoHops(OneHop):
     """1-D FSDP over nodes: node, the communicator of this rank's node; cross, that of the ranks
@@ -91,7 +81,6 @@ class Hsdp(TwoHops):
     def __init__(self, comm, node, cross):
         super().__init__(comm, node, cross)
         self.description = ("hsdp", node.size)
-        self.second = {}    # layout key -> [r2 (1/(N L) of the group), the divisor it saw]
 
     def describe(self):
         return f"HSDP: {self.cross.size} replicas x {self.node.size} shards"
@@ -108,10 +97,15 @@ class Hsdp(TwoHops):
         flats = [_part(row, layout, i) for i in coded]
         residual = state.residual(layout, row.device)
         wide = None if residual is None else residual.to(torch.float32)
+        owned = BucketLayout.of(tuple(f.numel() for f in flats), self.cross.size,
+                                state.codec.align)
+        # stage 2's error on the part this rank owns: fp32, for this step only
+        second = None if wide is None or not flats else torch.zeros(
+            owned.owned[self.cross.rank], dtype=torch.float32, device=row.device)
         reduction = BucketReduction(
             "gift.fsdp.replicas", flats, state.codec, self.cross,
             residual1=None if wide is None else [_part(wide, layout, i) for i in coded],
-            residual2=self._second(state, layout, flats, divisor, row.device),
+            residual2=second,
             step=state.step, key=layout.key, divisor=divisor)
         fp32 = None
         if flats:
@@ -123,6 +117,9 @@ class Hsdp(TwoHops):
         if flats:
             reduction.exchange().finish(over_inputs=True)
             state.add_bounds(reduction.amax_bounds)
+        if second is not None:    # r1[owned part] += divisor * e2: the sum was divided by it
+            fold_into([_part(wide, layout, i) for i in coded], second,
+                      owned.pieces[self.cross.rank], divisor)
         if residual is not None and wide is not residual:
             residual.copy_(wide)
         if fp32 is not None:
@@ -137,44 +134,6 @@ class Hsdp(TwoHops):
                             if coded_elements else 0,
                             wait_seconds=reduction.wait_seconds)
         return row
-
-    def _second(self, state, layout, flats, divisor, device):
-        if not state.error_feedback or not flats:
-            return None
-        if layout.key not in self.second:
-            sizes = tuple(f.numel() for f in flats)
-            owned = BucketLayout.of(sizes, self.cross.size, state.codec.align).owned
-            self.second[layout.key] = [torch.zeros(owned[self.cross.rank], device=device,
-                                                   dtype=state.residual_dtype), divisor]
-        self.second[layout.key][1] = divisor
-        return self.second[layout.key][0]
-
-    def fold_second_stage(self, state):
-        """r1[owned part] += divisor * r2 (the owner's sum was divided by it), then r2 = 0: both
-        then live in r1's coordinates, which the whitening's refresh re-expresses."""
-        for layout in state.layouts.values():
-            if layout.key not in self.second or layout.key not in state.residuals:
-                continue
-            r2, divisor = self.second[layout.key]
-            coded = [i for i, tiny in enumerate(layout.small) if not tiny and layout.shards[i]]
-            r1 = state.residuals[layout.key]
-            wide = r1.to(torch.float32)
-            parts = BucketLayout.of(tuple(layout.shards[i] for i in coded), self.cross.size,
-                                    state.codec.align).pieces[self.cross.rank]
-            fold_into([_part(wide, layout, i) for i in coded], r2, parts, divisor)
-            r1.copy_(wide)
-            r2.zero_()
-
-    def second_stage_residuals(self):
-        return [r2 for r2, _ in self.second.values()]
-
-    def rank_state(self):
-        return {key: (r2.to("cpu", copy=True), divisor)
-                for key, (r2, divisor) in self.second.items()}
-
-    def load_rank_state(self, saved, device):
-        self.second = {key: [r2.to(device), divisor] for key, (r2, divisor) in saved.items()}
-
 
 def _part(flat, layout, i):
     """Parameter i's part of one row (flat)."""

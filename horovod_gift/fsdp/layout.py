@@ -141,12 +141,11 @@ class FsdpGiftState(GiftStateBase):
         to zero (one verdict for the whole step: one host sync), and the step counted."""
         bounds, self._bounds = self._bounds, []
         if bounds:
-            scrub(list(self.residuals.values()) + self.hops.second_stage_residuals(), bounds)
+            scrub(list(self.residuals.values()), bounds)
         self._task = None
         self.count_step()
 
     def _refresh(self):
-        self.hops.fold_second_stage(self)
         for name, old in self.statistics.refresh().items():
             if name not in self.unwhitened:
                 self._convert_residuals(name, old)
@@ -229,7 +228,6 @@ class FsdpGiftState(GiftStateBase):
         return {"rank": self.comm.rank, "ranks": self.comm.size,
                 "topology": self.hops.description,
                 "residuals": {k: r.to("cpu", copy=True) for k, r in self.residuals.items()},
-                "second_stage": self.hops.rank_state(),
                 "statistics": self.statistics.local_state_dict()}
 
     def _load_rank_state(self, saved):
@@ -241,17 +239,15 @@ class FsdpGiftState(GiftStateBase):
                 logger.warning("GIFT (FSDP).load_state_dict: no residuals of this rank in this "
                                "job size and topology; they restart at zero")
             self.residuals = {}
-            self.hops.load_rank_state({}, self.device)
             self.statistics.load_local_state_dict({})
             return
         self.residuals = {k: r.to(self.device, self.residual_dtype)
                           for k, r in saved["residuals"].items()}
-        self.hops.load_rank_state(saved.get("second_stage", {}), self.device)
         self.statistics.load_local_state_dict(saved["statistics"])
 
     def stats(self):
         """GIFT's counters (core.GiftCore.stats), the topology, and residual_bytes: what this
-        rank's error-feedback residuals (both stages) hold."""
-        residuals = list(self.residuals.values()) + self.hops.second_stage_residuals()
+        rank's error-feedback residuals hold."""
+        residuals = list(self.residuals.values())
         return dict(self.telemetry.stats(self.step, {}), topology=self.hops.describe(),
                     residual_bytes=sum(r.numel() * r.element_size() for r in residuals))
