@@ -26,8 +26,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 ARMS = {"fp32": ("none", True, 0), "fp16": ("fp16", True, 0),
         "nvfp4 no-EF": ("nvfp4", False, 0), "gift-nvfp4 no-EF": ("gift-nvfp4", False, 0),
         "nvfp4 EF": ("nvfp4", True, 0), "gift-nvfp4 EF": ("gift-nvfp4", True, 0),
-        "gift-nvfp4 EF warm-up 50": ("gift-nvfp4", True, 50)}
-DEFAULT_ARMS = [arm for arm in ARMS if "warm-up" not in arm]
+        "gift-nvfp4 EF warm-up 50": ("gift-nvfp4", True, 50),
+        "fp8 EF": ("fp8", True, 0), "gift-fp8 EF": ("gift-fp8", True, 0),
+        "int3 EF": ("int3", True, 0), "gift-int3 EF": ("gift-int3", True, 0)}
+DEFAULT_ARMS = ["fp32", "fp16", "nvfp4 no-EF", "gift-nvfp4 no-EF", "nvfp4 EF", "gift-nvfp4 EF"]
 # two-sided 95 % quantiles of Student's t by degrees of freedom
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
         9: 2.262, 10: 2.228, 15: 2.131, 20: 2.086}
@@ -159,25 +161,28 @@ def main():
         "||exact||, mean over all steps and seeds. gift-* = GIFT's defaults (transform "
         "whiten); nvfp4 = the same codec and collective with transform none.",
         "",
-        "| arm | held-out loss | vs fp32 (95 % CI) | gradient RelL2 | bits/element | "
-        "step time (s) |",
-        "|---|---|---|---|---|---|",
+        "| arm | held-out loss | vs fp32 (95 % CI) | vs fp32 (%) | gradient RelL2 | "
+        "bits/element | step time (s) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for arm in args.arms:
         finals = [results[(arm, s)]["final"] for s in args.seeds]
         mean_final = sum(finals) / len(finals)
         if arm == base or base not in args.arms:
-            diff = "-"
+            diff = percent = "-"
         else:
             d, h = interval(
                 [results[(arm, s)]["final"] - results[(base, s)]["final"] for s in args.seeds]
             )
             diff = f"{d:+.4f} ({d - h:+.4f} .. {d + h:+.4f})"
+            fp32 = sum(results[(base, s)]["final"] for s in args.seeds) / len(args.seeds)
+            percent = f"{100 * d / fp32:+.2f} ({100 * (d - h) / fp32:+.2f} .. " \
+                      f"{100 * (d + h) / fp32:+.2f})"
         grad = [g for s in args.seeds for g in results[(arm, s)]["gradient"]]
         seconds = sum(results[(arm, s)]["seconds"] for s in args.seeds)
         step_time = seconds / (len(args.seeds) * args.steps)
         lines.append(
-            f"| {arm} | {mean_final:.4f} | {diff} | {sum(grad) / len(grad):.2e} | "
+            f"| {arm} | {mean_final:.4f} | {diff} | {percent} | {sum(grad) / len(grad):.2e} | "
             f"{results[(arm, args.seeds[0])]['bits']:.2f} | {step_time:.3f} |"
         )
     pairs = [
@@ -186,6 +191,11 @@ def main():
         ("nvfp4 EF", "nvfp4 no-EF"),
         ("gift-nvfp4 EF", "gift-nvfp4 no-EF"),
         ("gift-nvfp4 EF warm-up 50", "gift-nvfp4 EF"),
+        ("gift-fp8 EF", "fp8 EF"),
+        ("gift-int3 EF", "int3 EF"),
+        ("int3 EF", "nvfp4 EF"),
+        ("gift-int3 EF", "gift-nvfp4 EF"),
+        ("gift-int3 EF", "nvfp4 EF"),
     ]
     lines += ["", "Paired differences between compressed arms (held-out loss, 95 % CI):", ""]
     for a, b in pairs:

@@ -26,20 +26,23 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from convergence import interval  # noqa: E402
 
+FSDP = ["--engine", "fsdp"]
 # arm -> train_llama flags
-ARMS = {"fsdp fp32": ["--compression", "none"],
-        "gift-nvfp4 EF fp32": ["--compression", "gift-nvfp4", "--residual-dtype", "fp32"],
-        "gift-nvfp4 EF bf16": ["--compression", "gift-nvfp4", "--residual-dtype", "bf16"],
-        "gift-nvfp4 no EF": ["--compression", "gift-nvfp4", "--no-error-feedback"]}
+ARMS = {"fsdp fp32": FSDP + ["--compression", "none"],
+        "gift-nvfp4 EF fp32": FSDP + ["--compression", "gift-nvfp4", "--residual-dtype", "fp32"],
+        "gift-nvfp4 EF bf16": FSDP + ["--compression", "gift-nvfp4", "--residual-dtype", "bf16"],
+        "gift-nvfp4 no EF": FSDP + ["--compression", "gift-nvfp4", "--no-error-feedback"]}
 
 
-def run(arm, seed, args, out_dir):
+def run(arm, flags, seed, args, out_dir):
+    """One torchrun of examples/train_llama.py with flags (the engine's among them), or the
+    result already on disk: the held-out loss at the last step and what the log says."""
     tag = f"{arm.replace(' ', '_')}-s{seed}"
     csv_path, log_path = out_dir / f"{tag}.csv", out_dir / f"{tag}.log"
     if not csv_path.exists():
         command = [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc-per-node",
-                   str(args.ranks), str(ROOT / "examples" / "train_llama.py"), "--engine", "fsdp",
-                   *ARMS[arm], "--steps", str(args.steps), "--seed", str(seed),
+                   str(args.ranks), str(ROOT / "examples" / "train_llama.py"),
+                   *flags, "--steps", str(args.steps), "--seed", str(seed),
                    "--dim", str(args.dim), "--layers", str(args.layers), "--lr", str(args.lr),
                    "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches),
                    "--quiet", "--csv", str(csv_path)]
@@ -82,7 +85,8 @@ def main():
     out_dir = ROOT / "runs" / "fsdp_feedback"
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    results = {(arm, s): run(arm, s, args, out_dir) for s in args.seeds for arm in ARMS}
+    results = {(arm, s): run(arm, ARMS[arm], s, args, out_dir)
+               for s in args.seeds for arm in ARMS}
     n_params = parameters(args)
     lines = [
         "# Error feedback under FSDP2: held-out loss and memory", "",

@@ -22,6 +22,8 @@ COMPRESSIONS = {
     "nvfp4": ("nvfp4", "none"),
     "gift-fp8": ("fp8_e4m3", None),
     "gift-nvfp4": ("nvfp4", None),
+    "int3": ("int3", "none"),
+    "gift-int3": ("int3", None),
 }
 
 
@@ -130,6 +132,7 @@ class DdpEngine(TorchEngine):
     def wrap(self, model, make_optimizer, args, make_compression):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel
+
         from horovod_gift.ddp import GiftState, gift_hook
         cuda = next(model.parameters()).is_cuda
         ddp = DistributedDataParallel(model, device_ids=[self.local_rank] if cuda else None)
@@ -156,6 +159,7 @@ class FsdpEngine(TorchEngine):
         """fully_shard each block, then the model; the optimizer over the sharded parameters
         (fully_shard replaces them)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
         from horovod_gift.fsdp import attach
         device = next(model.parameters()).device
         mesh = self.mesh(device, args)
@@ -167,7 +171,8 @@ class FsdpEngine(TorchEngine):
         optimizer = make_optimizer(model)
         compressor = None
         if args.compression not in ("none", "fp16"):
-            compressor = attach(model, **gift_options(args, node_size=args.node_size))
+            compressor = attach(model, **gift_options(args, node_size=args.node_size,
+                                                      param_format=args.param_format))
         return model, optimizer, compressor
 
 

@@ -34,6 +34,7 @@ def make_compression(
     """(Horovod's compression for --compression name, the GIFT instance or None); options: more
     GIFT arguments (topology=, node_size=)."""
     import horovod.torch as hvd
+
     import horovod_gift as gift
 
     if name == "none":
@@ -73,6 +74,8 @@ def make_parser(description=__doc__):
                    help="ranks a node for --engine hsdp and GIFT's two hops under fsdp "
                         "(default: torchrun's LOCAL_WORLD_SIZE); set it to simulate nodes")
     p.add_argument("--compression", default="gift-nvfp4", choices=list(COMPRESSIONS))
+    p.add_argument("--param-format", default=None, choices=("fp8_e4m3",),
+                   help="fsdp, hsdp with GIFT: all-gather the parameters in this format")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
