@@ -19,7 +19,7 @@ from .hadamard import LANES, hadamard_tile, hadamard_torch, normalizer, random_s
 from .int3 import BLOCK as INT3_BLOCK
 from .int3 import (int3_decode_tile, int3_decode_torch, int3_quantize_blocks_torch,
                    int3_quantize_tile, int3_store_codes, int3_tensor_scale_torch, int3_values_torch,
-                   pack_int3_torch, unpack_int3_torch)
+                   pack_int3_torch, packed_bytes, unpack_int3_torch)
 from .nvfp4 import BLOCK as NVFP4_BLOCK
 from .nvfp4 import (nvfp4_decode_tile, nvfp4_decode_torch, nvfp4_quantize_blocks_torch,
                     nvfp4_quantize_tile, nvfp4_tensor_scale_torch, nvfp4_values_torch,
@@ -115,7 +115,7 @@ def quant_block(fmt_name, block_size):
 
 def code_bytes(fmt_name, n):
     """Bytes of n packed codes: two a byte for NVFP4, 8 in 3 for INT3, one each for FP8."""
-    return {"nvfp4": (n + 1) // 2, "int3": 3 * -(-n // 8)}.get(fmt_name, n)
+    return {"nvfp4": (n + 1) // 2, "int3": packed_bytes(n)}.get(fmt_name, n)
 
 
 def rotate_feedback_quantize_triton(x, residual, fmt_name, block_size, rotation=None, seed=0,
