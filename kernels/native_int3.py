@@ -84,6 +84,25 @@ def make_int3_quantize(feedback_mode, stochastic):
     return int3_quantize
 
 
+@njit(inline="always")
+def int3_block(total, codes, denom, j, from_zero):
+    """One whole 32-block of payload j (its 12 bytes) into total, with add_payload's rules: each
+    group's 24-bit word, then its 8 values times the block's denominator, in fixed loops."""
+    for g in range(4):
+        word = (np.int32(codes[3 * g]) | (np.int32(codes[3 * g + 1]) << 8)
+                | (np.int32(codes[3 * g + 2]) << 16))
+        out = total[8 * g: 8 * g + 8]
+        if j == 0 and not from_zero:
+            for k in range(8):
+                out[k] = INT3_VALUES[(word >> (3 * k)) & 7] * denom
+        elif j == 0:
+            for k in range(8):
+                out[k] = F0 + INT3_VALUES[(word >> (3 * k)) & 7] * denom
+        else:
+            for k in range(8):
+                out[k] += INT3_VALUES[(word >> (3 * k)) & 7] * denom
+
+
 def make_int3_accumulate(from_zero, epilogue):
     finish, fold = epilogue is not None, epilogue == "fold"
 
@@ -91,30 +110,36 @@ def make_int3_accumulate(from_zero, epilogue):
     def int3_accumulate(packed, scale_codes, tensor_scales, out, residual, divisor, first, last):
         """out[tiles first..last-1] = the fp32 sum in order of k INT3 payloads: packed
         (k, bytes), scale_codes (k, blocks), tensor_scales (k,); from_zero, the epilogue and
-        the result as in native_decode.nvfp4_accumulate. A tile's values are decoded, then
-        added (add_payload's rules)."""
+        the result as in native_decode.nvfp4_accumulate. Whole blocks go straight into out; a
+        last, partial block through a block of scratch."""
         n = out.size
         top = np.int32(0)
-        values = np.empty(DECODE_TILE, np.float32)
+        tail = np.empty(INT3_BLOCK, np.float32)
         denoms = np.empty(DECODE_TILE // INT3_BLOCK, np.float32)
         for c in range(first, last):
             base = c * DECODE_TILE
             count = min(DECODE_TILE, n - base)
-            groups = -(-count // 8)
+            whole = count // INT3_BLOCK
             total = out[base: base + count]
             for j in range(packed.shape[0]):
-                codes = packed[j, base // 8 * 3: base // 8 * 3 + 3 * groups]
+                codes = packed[j, base // 8 * 3: base // 8 * 3 + 3 * -(-count // 8)]
                 scales = scale_codes[j, base // INT3_BLOCK: base // INT3_BLOCK + -(-count // 32)]
+                # the tile's denominators first, in a loop across its blocks (which vectorizes)
                 for b in range(scales.size):
                     denoms[b] = decode_float(np.int32(scales[b]), E4M3[0], E4M3[1],
                                              E4M3[2]) * tensor_scales[j]
-                for g in range(groups):
-                    word = (np.int32(codes[3 * g]) | (np.int32(codes[3 * g + 1]) << 8)
-                            | (np.int32(codes[3 * g + 2]) << 16))
-                    denom = denoms[g >> 2]
+                for b in range(whole):
+                    int3_block(total[b * INT3_BLOCK: (b + 1) * INT3_BLOCK],
+                               codes[b * 12: b * 12 + 12], denoms[b], j, from_zero)
+                rest = count - whole * INT3_BLOCK
+                for g in range(-(-rest // 8)):
+                    o = whole * 12 + 3 * g
+                    word = (np.int32(codes[o]) | (np.int32(codes[o + 1]) << 8)
+                            | (np.int32(codes[o + 2]) << 16))
                     for k in range(8):
-                        values[8 * g + k] = INT3_VALUES[(word >> (3 * k)) & 7] * denom
-                add_payload(total, values, j, from_zero, count)
+                        tail[8 * g + k] = INT3_VALUES[(word >> (3 * k)) & 7] * denoms[whole]
+                if rest:
+                    add_payload(total[whole * INT3_BLOCK:], tail, j, from_zero, rest)
             if finish:
                 top = max(top, owner_epilogue(total, residual[base: base + count], divisor,
                                               count, fold))
