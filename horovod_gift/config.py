@@ -15,7 +15,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-FORMATS = ("fp8_e4m3", "fp8_e5m2", "nvfp4")
+FORMATS = ("fp8_e4m3", "fp8_e5m2", "nvfp4", "int3")
+# the formats whose scale block is fixed: block_size may only name it (or be None)
+FIXED_BLOCKS = {"nvfp4": 16, "int3": 32}
 ROUNDINGS = ("nearest", "stochastic")
 BACKENDS = ("auto", "triton", "native", "torch")
 
@@ -51,10 +53,11 @@ def check_codec(format, block_size, rounding, where="encode"):
         raise ValueError(f"{where}: unknown format {format!r}; expected one of {FORMATS}")
     if rounding not in ROUNDINGS:
         raise ValueError(f"{where}: unknown rounding {rounding!r}; expected one of {ROUNDINGS}")
-    if format == "nvfp4":
-        if block_size not in (None, 16):
+    if format in FIXED_BLOCKS:
+        if block_size not in (None, FIXED_BLOCKS[format]):
             raise ValueError(
-                f"{where}: nvfp4 has fixed 16-element blocks; got block_size={block_size!r}"
+                f"{where}: {format} has fixed {FIXED_BLOCKS[format]}-element blocks; "
+                f"got block_size={block_size!r}"
             )
     elif block_size is not None and (
         not isinstance(block_size, int)
@@ -81,15 +84,16 @@ class GiftConfig:
     attach all take (as `config=` or as keyword arguments); checked once, here. core.GiftCore's
     docstring has the measurements behind each default."""
 
-    # the wire format of gradients: "nvfp4" (4.5 bits an element with its scales), "fp8_e4m3"
-    # or "fp8_e5m2" (8, plus one scale per block_size elements)
+    # the wire format of gradients: "nvfp4" (4.5 bits an element with its scales), "int3" (7
+    # levels, 3.25 bits an element with its scales), "fp8_e4m3" or "fp8_e5m2" (8, plus one
+    # scale per block_size elements); NVFP4 and INT3 add 32 bits a tensor for its scale
     format: str = "nvfp4"
     # "whiten" (K-FAC input whitening of linear weights), "whiten+hadamard", "hadamard", "auto"
     # (chosen per tensor on refresh steps) or "none"; FSDP takes "whiten" and "none"
     transform: str = "whiten"
     # keep each quantization stage's error and add it back next step
     error_feedback: bool = True
-    # FP8's scale block (None: one scale a tensor); NVFP4's is fixed at 16
+    # FP8's scale block (None: one scale a tensor); NVFP4's is fixed at 16, INT3's at 32
     block_size: object = None
     # "nearest" or "stochastic" (seeded, the same on every rank)
     rounding: str = "nearest"

@@ -11,7 +11,8 @@ forward rotation (rotate_fold_native: y = H_B (D x) / sqrt(B) + r, each piece's 
 owner's sum (accumulate_native's epilogue: y = sum / n + r); the quantizer then reads y alone
 ("folded", native_quantize.FEEDBACK).
 
-The kernels: native_rotate.py, native_quantize.py, native_decode.py, with the scalar arithmetic
+The kernels: native_rotate.py, native_quantize.py, native_decode.py, native_int3.py (INT3's
+quantizer and decoder), with the scalar arithmetic
 they share in native_scalars.py (its docstring gives the exactness rules); this module holds the
 wrappers formats.py and rotation.py call on flat CPU tensors.
 
@@ -31,9 +32,11 @@ import numpy as np
 import torch
 from numba.core import event
 
+from .fused import code_bytes
 from .hadamard import normalizer
 from .native_decode import DECODE_TILE, FP8_ACCUMULATE, FP8_TILE, NVFP4_ACCUMULATE
-from .native_quantize import AMAX, AMAX_TILE, CHUNK, CHUNK_BLOCKS, FP8_QUANTIZE, NVFP4_QUANTIZE
+from .native_int3 import INT3_ACCUMULATE, INT3_BLOCK, INT3_DIVISOR, INT3_QUANTIZE
+from .native_quantize import AMAX, AMAX_TILE, CHUNK, FP8_QUANTIZE, NVFP4_QUANTIZE
 from .native_rotate import ROTATE
 from .native_scalars import E2M1, E4M3, F0, FP8_FORMATS, INF_BITS, NVFP4_BLOCK
 
@@ -117,8 +120,8 @@ def quantize_native(flat, residual, fmt_name, block_size, seed, stochastic, fold
     flat (+ residual) holds a non-finite value (the caller then runs the reference).
     folded_amax: flat already is y = x + residual (or x, without one), made by a pass that also
     found its largest magnitude, this finite np.float32; the residual is then only written.
-    payload: a uint8 tensor whose first bytes take the codes (and NVFP4's scale codes after
-    them), returned as views of it."""
+    payload: a uint8 tensor whose first bytes take the codes (and NVFP4's or INT3's scale codes
+    after them), returned as views of it."""
     n, device = flat.numel(), flat.device
     x = flat.numpy()
     feedback = None if residual is None else ("add" if folded_amax is None else "folded")
@@ -130,19 +133,21 @@ def quantize_native(flat, residual, fmt_name, block_size, seed, stochastic, fold
     else:
         amax = folded_amax
     term = np.uint64((int(seed) * 0x9E3779B9) & 0xFFFFFFFF)
-    if fmt_name == "nvfp4":
-        tensor_scale = np.float32(amax) / np.float32(E2M1[3] * E4M3[3])
-        blocks = -(-n // NVFP4_BLOCK)
-        packed, scale_codes = _byte_parts(payload, ((n + 1) // 2, blocks), device)
+    if fmt_name in SCALED:
+        block, largest, quantizers, tile = SCALED[fmt_name]
+        tensor_scale = np.float32(amax) / largest
+        packed, scale_codes = _byte_parts(payload, (code_bytes(fmt_name, n), -(-n // block)),
+                                          device)
         c, sc = packed.numpy(), scale_codes.numpy()
 
         def arguments(first, last):
-            part = slice(first * CHUNK, last * CHUNK)
-            return (x[part], r[part], c[first * CHUNK // 2: last * CHUNK // 2],
-                    sc[first * CHUNK_BLOCKS: last * CHUNK_BLOCKS], tensor_scale, term,
-                    first * CHUNK)
+            part = slice(first * tile, last * tile)
+            return (x[part], r[part],
+                    c[code_bytes(fmt_name, first * tile): code_bytes(fmt_name, last * tile)],
+                    sc[first * tile // block: last * tile // block], tensor_scale, term,
+                    first * tile)
 
-        run_tiles(NVFP4_QUANTIZE[feedback, stochastic], -(-n // CHUNK), CHUNK, arguments)
+        run_tiles(quantizers[feedback, stochastic], -(-n // tile), tile, arguments)
         return packed, scale_codes, torch.tensor([tensor_scale], device=device)
     per_tensor = block_size is None
     tensor_scale = np.float32(amax) / FP8_FORMATS[fmt_name][3] if per_tensor else F0
@@ -160,6 +165,12 @@ def quantize_native(flat, residual, fmt_name, block_size, seed, stochastic, fold
     run_tiles(FP8_QUANTIZE[feedback, stochastic, per_tensor, fmt_name], blocks, block,
               fp8_arguments)
     return codes, scales, None
+
+
+# The formats of E4M3 block scales under an fp32 tensor scale: (scale block, the tensor scale's
+# divisor, quantizers, elements a thread's tile holds: whole blocks and whole bytes of codes)
+SCALED = {"nvfp4": (NVFP4_BLOCK, np.float32(E2M1[3] * E4M3[3]), NVFP4_QUANTIZE, CHUNK),
+          "int3": (INT3_BLOCK, INT3_DIVISOR, INT3_QUANTIZE, DECODE_TILE)}
 
 
 def _byte_parts(payload, sizes, device):
@@ -191,12 +202,14 @@ def accumulate_native(codes, scales, tensor_scales, n, fmt_name, block_size, out
                       epilogue=None, residual=None, divisor=1):
     """The fp32 sum in order of k payloads (codes (k, bytes), scales (k, ...), tensor_scales (k,)
     or None) into out (n contiguous fp32 elements); from_zero and the epilogue (divisor, and
-    residual for "fold") as in nvfp4_accumulate. Returns the largest magnitude_bits of out after
-    the epilogue, INF_BITS and above where out is not finite (0 without an epilogue)."""
+    residual for "fold") as in nvfp4_accumulate (int3_accumulate for INT3). Returns the
+    largest magnitude_bits of out after the epilogue, INF_BITS and above where out is not
+    finite (0 without an epilogue)."""
     c, sc, y = codes.contiguous().numpy(), scales.contiguous().numpy(), out.numpy()
     r = y if residual is None else residual.numpy()
-    if fmt_name == "nvfp4":
-        kernel, tile = NVFP4_ACCUMULATE[from_zero, epilogue], DECODE_TILE
+    if fmt_name in SCALED:
+        accumulators = NVFP4_ACCUMULATE if fmt_name == "nvfp4" else INT3_ACCUMULATE
+        kernel, tile = accumulators[from_zero, epilogue], DECODE_TILE
         extra = (tensor_scales.numpy(),)
     else:
         per_tensor = block_size is None

@@ -7,19 +7,19 @@ bits. Each piece has its own scales and payload, at its own offset of a byte buf
     encode:  payload of piece p = Q(x[starts[p]:ends[p]] (+ r)) at out[offsets[p]:]
     decode:  out[starts[p]:ends[p]] = D(payload at buf[offsets[p]:])
 
-Payload layout as formats.payload_layout: NVFP4 codes, E4M3 scale codes, fp32 tensor scale;
-FP8 codes, fp32 scales. A piece whose input is not finite is left alone and reported (its
+Payload layout as formats.payload_layout: NVFP4 or INT3 codes, E4M3 scale codes, fp32 tensor
+scale; FP8 codes, fp32 scales. A piece whose input is not finite is left alone and reported (its
 largest magnitude_bits >= INF_BITS): the caller runs the reference on it, as quantize_native's
 callers do.
 """
 import numpy as np
 from numba import njit
 
+from .native import SCALED
 from .native_decode import DECODE_TILE, FP8_ACCUMULATE, FP8_TILE, NVFP4_ACCUMULATE
-from .native_quantize import AMAX, FP8_QUANTIZE, NVFP4_QUANTIZE
-from .native_scalars import E2M1, E4M3, F0, F1, FP8_FORMATS, INF_BITS, KERNEL, NVFP4_BLOCK
-
-NVFP4_DIVISOR = np.float32(E2M1[3] * E4M3[3])   # a tensor scale is amax / (6 * 448)
+from .native_int3 import INT3_ACCUMULATE
+from .native_quantize import AMAX, FP8_QUANTIZE
+from .native_scalars import F0, F1, FP8_FORMATS, INF_BITS, KERNEL
 
 # The drivers call kernels held in closure cells, and numba's on-disk cache keys a function by its
 # pickled closure, which holds those dispatchers' per-process ids: every process missed the cache
@@ -34,13 +34,15 @@ def make_encode_pieces(fmt_name, per_tensor, feedback_mode, stochastic):
     x (x already is y = x + r); found <- each piece's largest magnitude_bits."""
     add, folded = feedback_mode == "add", feedback_mode == "folded"
     amax = AMAX[add]
-    nvfp4 = fmt_name == "nvfp4"
-    if nvfp4:
-        quantize = NVFP4_QUANTIZE[feedback_mode, stochastic]
-        largest = NVFP4_DIVISOR
+    # NVFP4 and INT3: E4M3 block scales of a fixed block, codes packed two a byte or 8 in 3
+    scaled, int3 = fmt_name in SCALED, fmt_name == "int3"
+    if scaled:
+        block_elements, largest, quantizers, _ = SCALED[fmt_name]
+        quantize = quantizers[feedback_mode, stochastic]
     else:
         quantize = FP8_QUANTIZE[feedback_mode, stochastic, per_tensor, fmt_name]
         largest = FP8_FORMATS[fmt_name][3]
+        block_elements = 1      # unused, but numba freezes every free name
 
     @njit(**DRIVER)
     def encode(x, r, starts, ends, out, offsets, terms, maxima, found, block):
@@ -54,9 +56,10 @@ def make_encode_pieces(fmt_name, per_tensor, feedback_mode, stochastic):
                 continue
             box[0] = top
             m, o = hi - lo, offsets[p]
-            if nvfp4:
+            if scaled:
                 tensor_scale = box.view(np.float32)[0] / largest
-                c, blocks = (m + 1) // 2, -(-m // NVFP4_BLOCK)
+                c = 3 * -(-m // 8) if int3 else (m + 1) // 2
+                blocks = -(-m // block_elements)
                 quantize(xs, rs, out[o: o + c], out[o + c: o + c + blocks], tensor_scale,
                          terms[p], 0)
                 box.view(np.float32)[0] = tensor_scale
@@ -76,9 +79,10 @@ def make_encode_pieces(fmt_name, per_tensor, feedback_mode, stochastic):
 
 def make_decode_pieces(fmt_name, per_tensor):
     """decode(buf, offsets, starts, ends, out, block): every piece's payload decoded into out."""
-    nvfp4 = fmt_name == "nvfp4"
-    if nvfp4:
-        kernel = NVFP4_ACCUMULATE[False, None]
+    scaled, int3 = fmt_name in SCALED, fmt_name == "int3"
+    block_elements = SCALED[fmt_name][0] if scaled else 1   # numba freezes every free name
+    if scaled:
+        kernel = (INT3_ACCUMULATE if int3 else NVFP4_ACCUMULATE)[False, None]
     else:
         kernel = FP8_ACCUMULATE[False, None, per_tensor, fmt_name]
 
@@ -89,8 +93,9 @@ def make_decode_pieces(fmt_name, per_tensor):
             lo, hi = starts[p], ends[p]
             m, o = hi - lo, offsets[p]
             y = out[lo:hi]
-            if nvfp4:
-                c, blocks = (m + 1) // 2, -(-m // NVFP4_BLOCK)
+            if scaled:
+                c = 3 * -(-m // 8) if int3 else (m + 1) // 2
+                blocks = -(-m // block_elements)
                 tensor_scale.view(np.uint8)[:] = buf[o + c + blocks: o + c + blocks + 4]
                 kernel(buf[o: o + c].reshape(1, c), buf[o + c: o + c + blocks].reshape(1, blocks),
                        tensor_scale, y, y, F1, 0, -(-m // DECODE_TILE))

@@ -16,7 +16,9 @@ import triton
 import triton.language as tl
 
 from .fp8 import FORMATS, fp8_quantize_tile, tensor_scale_torch
-from .nvfp4 import nvfp4_decode_tile, nvfp4_quantize_tile, nvfp4_tensor_scale_torch, pack_nibbles
+from .fused import SCALED, quant_block
+from .int3 import int3_decode_tile, int3_quantize_tile, int3_store_codes
+from .nvfp4 import nvfp4_decode_tile, nvfp4_quantize_tile, pack_nibbles
 from .rounding import EXACT_ARITHMETIC, decode_float, is_nonfinite
 
 TILE = 4096     # elements a program covers (rotate_feedback_quantize_triton's without rotation)
@@ -47,16 +49,17 @@ def pieces_quantize_kernel(
     sizes_ptr,          # int64: each piece's elements
     payload_ptr,        # out: uint8 buffer of the payloads
     offsets_ptr,        # int64: where each piece's payload starts
-    tensor_scales_ptr,  # in: each piece's scale (PER_TENSOR or NVFP4), from the AMAX_ONLY pass
+    tensor_scales_ptr,  # in: each piece's scale (PER_TENSOR, NVFP4, INT3), from AMAX_ONLY
     amax_ptr,           # out (AMAX_ONLY): (pieces, tiles) amax, inf where a value is not finite
     seeds_ptr,          # int64: each piece's stochastic rounding seed
     tiles,              # programs per piece (grid axis 0)
     AMAX_ONLY: tl.constexpr,    # first pass: only the amax of x (+ r)
     FEEDBACK: tl.constexpr,     # add the residual, store the new error
-    NVFP4: tl.constexpr,        # NVFP4 (else FP8)
+    NVFP4: tl.constexpr,        # NVFP4
+    INT3: tl.constexpr,         # INT3 (neither: FP8)
     PER_TENSOR: tl.constexpr,   # FP8 with one scale for the piece
     ROWS: tl.constexpr,         # scale blocks per program
-    QBLOCK: tl.constexpr,       # scale block (16 for NVFP4)
+    QBLOCK: tl.constexpr,       # scale block (16 for NVFP4, 32 for INT3)
     EBITS: tl.constexpr,        # FP8 format: exponent bits,
     MBITS: tl.constexpr,        #   mantissa bits,
     BIAS: tl.constexpr,         #   exponent bias,
@@ -87,6 +90,14 @@ def pieces_quantize_kernel(
             scale_codes_ptr = codes_ptr + (m + 1) // 2
             tl.store(scale_codes_ptr + rows, scale_codes.to(tl.uint8), mask=rows * 16 < m)
             store_fp32_bytes(scale_codes_ptr + (m + 15) // 16, tensor_scale, tile == 0)
+        elif INT3:
+            tensor_scale = tl.load(tensor_scales_ptr + piece)
+            codes, scale_codes, dequantized = int3_quantize_tile(y, offs, tensor_scale, seed,
+                                                                 STOCHASTIC)
+            int3_store_codes(codes_ptr, codes, rows, m, ROWS)
+            scale_codes_ptr = codes_ptr + 3 * ((m + 7) // 8)
+            tl.store(scale_codes_ptr + rows, scale_codes.to(tl.uint8), mask=rows * 32 < m)
+            store_fp32_bytes(scale_codes_ptr + (m + 31) // 32, tensor_scale, tile == 0)
         else:
             tensor_scale = tl.load(tensor_scales_ptr + piece) if PER_TENSOR else 0.0
             codes, scale, dequantized = fp8_quantize_tile(
@@ -107,10 +118,11 @@ def pieces_decode_kernel(
     out_ptr,            # out: the tensor's flat fp32 values
     starts_ptr,         # int64: each piece's first element
     sizes_ptr,          # int64: each piece's elements
-    NVFP4: tl.constexpr,        # NVFP4 (else FP8)
+    NVFP4: tl.constexpr,        # NVFP4
+    INT3: tl.constexpr,         # INT3 (neither: FP8)
     PER_TENSOR: tl.constexpr,   # FP8 with one scale for the piece
     ROWS: tl.constexpr,         # scale blocks per program
-    QBLOCK: tl.constexpr,       # scale block (16 for NVFP4)
+    QBLOCK: tl.constexpr,       # scale block (16 for NVFP4, 32 for INT3)
     EBITS: tl.constexpr,        # FP8 format: exponent bits,
     MBITS: tl.constexpr,        #   mantissa bits,
     BIAS: tl.constexpr,         #   exponent bias
@@ -125,6 +137,10 @@ def pieces_decode_kernel(
             scale_codes_ptr = codes_ptr + (m + 1) // 2
             tensor_scale = load_fp32_bytes(scale_codes_ptr + (m + 15) // 16, True)
             values = nvfp4_decode_tile(codes_ptr, scale_codes_ptr, tensor_scale, rows, m, ROWS)
+        elif INT3:
+            scale_codes_ptr = codes_ptr + 3 * ((m + 7) // 8)
+            tensor_scale = load_fp32_bytes(scale_codes_ptr + (m + 31) // 32, True)
+            values = int3_decode_tile(codes_ptr, scale_codes_ptr, tensor_scale, rows, m, ROWS)
         else:
             if PER_TENSOR:
                 scale = load_fp32_bytes(codes_ptr + m + rows * 0, True)
@@ -137,7 +153,7 @@ def pieces_decode_kernel(
 
 def _shape(fmt_name, block_size):
     """(scale block, scale blocks per program) of a tile of TILE elements."""
-    qblock = 16 if fmt_name == "nvfp4" else (block_size or 1024)
+    qblock = quant_block(fmt_name, block_size)
     return qblock, max(1, TILE // qblock)
 
 
@@ -148,22 +164,23 @@ def quantize_pieces_triton(x, residual, starts, sizes, offsets, seeds, largest, 
     Returns each piece's amax (a tensor; inf where a piece is not finite) when a pass found it
     (a piece scale, or feedback), else None."""
     pieces = starts.numel()
-    nvfp4, per_tensor = fmt_name == "nvfp4", block_size is None
+    scaled, per_tensor = fmt_name in SCALED, block_size is None
     qblock, rows = _shape(fmt_name, block_size)
     tiles = max(1, -(-largest // (rows * qblock)))
     fmt = FORMATS.get(fmt_name, FORMATS["fp8_e4m3"])
-    common = dict(EXACT_ARITHMETIC, FEEDBACK=residual is not None, NVFP4=nvfp4,
-                  PER_TENSOR=per_tensor, ROWS=rows, QBLOCK=qblock, EBITS=fmt.ebits,
-                  MBITS=fmt.mbits, BIAS=fmt.bias, MAX=fmt.max, STOCHASTIC=stochastic)
+    common = dict(EXACT_ARITHMETIC, FEEDBACK=residual is not None, NVFP4=fmt_name == "nvfp4",
+                  INT3=fmt_name == "int3", PER_TENSOR=per_tensor, ROWS=rows, QBLOCK=qblock,
+                  EBITS=fmt.ebits, MBITS=fmt.mbits, BIAS=fmt.bias, MAX=fmt.max,
+                  STOCHASTIC=stochastic)
     args = (x, x if residual is None else residual, starts, sizes, payload, offsets)
     amax, tensor_scales = None, x       # FP8 blocks carry their own scales: x is not read
-    if nvfp4 or per_tensor or residual is not None:
+    if scaled or per_tensor or residual is not None:
         partial = torch.empty((pieces, tiles), dtype=torch.float32, device=x.device)
         pieces_quantize_kernel[(tiles, pieces)](*args, partial, partial, seeds, tiles,
                                                 AMAX_ONLY=True, **common)
         amax = partial.amax(dim=1)
-        if nvfp4:
-            tensor_scales = nvfp4_tensor_scale_torch(amax)
+        if scaled:
+            tensor_scales = SCALED[fmt_name][1](amax)
         elif per_tensor:
             tensor_scales = tensor_scale_torch(amax, fmt.max)
     pieces_quantize_kernel[(tiles, pieces)](*args, tensor_scales, x, seeds, tiles,
@@ -178,6 +195,6 @@ def decode_pieces_triton(payload, starts, sizes, offsets, largest, out, fmt_name
     fmt = FORMATS.get(fmt_name, FORMATS["fp8_e4m3"])
     pieces_decode_kernel[(tiles, starts.numel())](
         payload, offsets, out, starts, sizes, **EXACT_ARITHMETIC, NVFP4=fmt_name == "nvfp4",
-        PER_TENSOR=block_size is None, ROWS=rows, QBLOCK=qblock, EBITS=fmt.ebits,
-        MBITS=fmt.mbits, BIAS=fmt.bias)
+        INT3=fmt_name == "int3", PER_TENSOR=block_size is None, ROWS=rows, QBLOCK=qblock,
+        EBITS=fmt.ebits, MBITS=fmt.mbits, BIAS=fmt.bias)
     return out

@@ -92,7 +92,8 @@ def test_every_bucket_draws_its_own_stochastic_rounding():
         assert float((result - mean).norm() / mean.norm()) < 0.25
 
 
-@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", None), ("fp8_e5m2", 64)])
+@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("int3", None), ("fp8_e4m3", None),
+                                       ("fp8_e5m2", 64)])
 def test_unequal_chunks_go_through_one_size_allgather_and_agree(fmt, block):
     """Chunks of different byte sizes (tensors split unevenly, a piece's scales) are padded to
     one slot: every allgather has the same size on every rank, and all ranks end bit-identical."""
@@ -113,7 +114,9 @@ def test_unequal_chunks_go_through_one_size_allgather_and_agree(fmt, block):
             assert torch.equal(mine, theirs)
     for i, size in enumerate(sizes):
         mean = torch.stack([f[i] for f in flats]).mean(0)
-        assert float((results[0][0][i] - mean).norm() / mean.norm()) < 0.2
+        # INT3: 0.21-0.33 here (0.12-0.13 for NVFP4): a 7-level grid, quantized at both stages
+        limit = 0.4 if fmt == "int3" else 0.2
+        assert float((results[0][0][i] - mean).norm() / mean.norm()) < limit
 
 
 def test_a_bucket_frees_each_stage_payloads_as_soon_as_it_has_read_them():

@@ -38,6 +38,13 @@ def test_each_bad_option_is_refused_by_name(option, value, message):
         GiftConfig(**{option: value})
 
 
+def test_int3_takes_its_fixed_block_only():
+    assert GiftConfig(format="int3").block_size is None
+    assert GiftConfig(format="int3", block_size=32).block_size == 32
+    with pytest.raises(ValueError, match="int3 has fixed 32-element blocks; got block_size=16"):
+        GiftConfig(format="int3", block_size=16)
+
+
 def test_a_grad_scaler_must_be_one():
     with pytest.raises(TypeError, match="grad_scaler must be a torch.amp.GradScaler, got int"):
         GiftConfig(grad_scaler=3)

@@ -12,10 +12,10 @@ SHARDS = [96 * 32, 96, 32 * 96, 32, 64, 2048]         # a group's padded shards,
 SMALL = [False, True, False, True, True, False]       # under min_elements: fp32 on the wire
 
 
-@pytest.mark.parametrize("format", ["nvfp4", "fp8_e4m3"])
+@pytest.mark.parametrize("format", ["nvfp4", "int3", "fp8_e4m3"])
 @pytest.mark.parametrize("rows", [1, 2, 4])
 def test_rows_round_trip_through_the_bytes_of_every_piece(format, rows):
-    codec = Codec(format, 32 if format != "nvfp4" else None, "nearest", 0)
+    codec = Codec(format, 32 if format.startswith("fp8") else None, "nearest", 0)
     layout = GroupLayout([str(i) for i in range(len(SHARDS))], SHARDS, SMALL, rows, codec)
     assert layout.shard == sum(SHARDS)
     assert layout.offsets == np.cumsum([0] + SHARDS[:-1]).tolist()

@@ -70,7 +70,7 @@ def drive_codec():
     """Every codec path of the library, through its public entry points, with the kernels forced."""
     from horovod_gift.codec import formats
     from horovod_gift.config import use_kernels
-    from horovod_gift.kernels import fp8, nvfp4
+    from horovod_gift.kernels import fp8, int3, nvfp4
     from horovod_gift.codec.rotation import HadamardRotation
 
     x = torch.randn(
@@ -80,6 +80,7 @@ def drive_codec():
     with use_kernels("triton"):
         for fmt, block in (
             ("nvfp4", None),
+            ("int3", None),
             ("fp8_e4m3", None),
             ("fp8_e4m3", 32),
             ("fp8_e5m2", None),
@@ -109,6 +110,7 @@ def drive_codec():
         drive_pieces(x)
     for stochastic in (False, True):  # the stand-alone encoders that gpu_check.py also times
         nvfp4.nvfp4_encode_triton(x, torch.ones(1), 3, stochastic)
+        int3.int3_encode_triton(x, torch.ones(1), 3, stochastic)
         for fmt, block in (("fp8_e4m3", None), ("fp8_e5m2", 32)):
             fp8.fp8_encode_triton(
                 x, fp8.FORMATS[fmt], block, None if block else torch.ones(1), 3, stochastic
@@ -122,7 +124,7 @@ def drive_pieces(x):
     from horovod_gift.codec.tensor_codec import Codec, TensorPieces
 
     starts, ends = np.array([0, 1000], np.int64), np.array([1000, x.numel()], np.int64)
-    for fmt, block in (("nvfp4", None), ("fp8_e4m3", None), ("fp8_e5m2", 32)):
+    for fmt, block in (("nvfp4", None), ("int3", None), ("fp8_e4m3", None), ("fp8_e5m2", 32)):
         for rounding in ("nearest", "stochastic"):
             codec = Codec(fmt, block, rounding)
             sizes = [codec.payload_bytes(int(m)) for m in ends - starts]

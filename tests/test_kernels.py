@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from horovod_gift.kernels import fp8, fused, hadamard, nvfp4
+from horovod_gift.kernels import fp8, fused, hadamard, int3, nvfp4
 
 SIZES = [1, 15, 17, 1000, 100_003]
 FP8_CASES = [("fp8_e4m3", None), ("fp8_e4m3", 32), ("fp8_e5m2", None), ("fp8_e5m2", 16)]
@@ -47,20 +47,53 @@ def test_fp8_encode_decode(fmt, block, n, stochastic):
     )
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "int3"])
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("stochastic", [False, True])
-def test_nvfp4_encode_decode(n, stochastic):
+def test_block_scaled_encode_decode(fmt, n, stochastic):
+    """NVFP4 and INT3: E4M3 block scales under an fp32 tensor scale, packed codes."""
+    module = {"nvfp4": nvfp4, "int3": int3}[fmt]
+
+    def kernel(name):
+        return getattr(module, f"{fmt}_{name}")
+
     x = sample(n, seed=1)
-    scale = nvfp4.nvfp4_tensor_scale_torch(x.abs().amax()).reshape(1)
-    ref = nvfp4.nvfp4_encode_torch(x, scale, seed=3, stochastic=stochastic)
-    out = nvfp4.nvfp4_encode_triton(x, scale, seed=3, stochastic=stochastic)
+    scale = kernel("tensor_scale_torch")(x.abs().amax()).reshape(1)
+    ref = kernel("encode_torch")(x, scale, seed=3, stochastic=stochastic)
+    out = kernel("encode_triton")(x, scale, seed=3, stochastic=stochastic)
     assert_same_bits(ref[0], out[0], "packed codes")
     assert_same_bits(ref[1], out[1], "block scales")
     assert_same_bits(
-        nvfp4.nvfp4_decode_torch(*ref, scale, n),
-        nvfp4.nvfp4_decode_triton(*ref, scale, n),
-        "decoded",
+        kernel("decode_torch")(*ref, scale, n), kernel("decode_triton")(*ref, scale, n), "decoded"
     )
+
+
+@pytest.mark.parametrize("backend", ["torch", "native", "triton"])
+def test_int3_grid_and_packing_by_hand(backend):
+    """Known inputs -> known bytes. The tensor's amax 3 gives the tensor scale s = 3 / 1344.
+    Block 1 (amax 3): ratio 3 / (3 s) = 448, E4M3 code 0x7E, so the step is 448 s (1 within
+    rounding); nearest even: 0.5 -> 0, 1.5 -> 2, 2.5 -> 2, -2.5 -> -2, -0.4 -> 0 (no negative
+    zero). Block 2 (amax 2): ratio 298.7 -> E4M3 288 (0x79), step 288 s = 0.643: 1 -> 2,
+    -1 -> -2, 2 -> 3.11, saturated at 3. A code is |level| with the sign in bit 2; code i of a
+    group of 8 sits at bits 3i..3i+2 of its 24-bit word, bytes little-endian; the partial last
+    group of 3 elements is zero-padded."""
+    import horovod_gift as gift
+
+    head = [0.0, 1.0, 2.0, 3.0, -1.0, -2.0, -3.0, 0.5, 1.5, 2.5, -2.5, -0.4, 1.4, -1.6, 3.0, -3.0]
+    x = torch.tensor(head + [0.0] * 16 + [1.0, -1.0, 2.0])
+    with gift.use_kernels(backend):
+        enc = gift.encode(x, "int3")
+        decoded = gift.decode(enc)
+    # group 1: codes 0 1 2 3 5 6 7 0 -> word 0x1F5688; group 2: 2 2 6 0 1 6 3 7 -> 0xEF1192;
+    # groups 3, 4: zeros; group 5: 2 6 3 (and 5 padding zeros) -> 0x0000F2
+    assert enc.codes.tolist() == [0x88, 0x56, 0x1F, 0x92, 0x11, 0xEF] + [0] * 6 + [0xF2, 0, 0]
+    assert enc.scales.tolist() == [0x7E, 0x79]
+    tensor_scale = torch.tensor([3.0]) / 1344
+    assert torch.equal(enc.tensor_scale, tensor_scale)
+    levels = torch.tensor([0, 1, 2, 3, -1, -2, -3, 0, 2, 2, -2, 0, 1, -2, 3, -3] + [0] * 16
+                          + [2, -2, 3], dtype=torch.float32)
+    steps = torch.cat([torch.full((32,), 448.0), torch.full((3,), 288.0)]) * tensor_scale
+    assert torch.equal(decoded, levels * steps)
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -87,7 +120,8 @@ FUSED_SHAPES = [(n, None) for n in (1, 17, 4096 + 128, 100_096)] + [
 @pytest.mark.parametrize(
     "fmt,block,stochastic",
     [(f, b, True) for f, b in FP8_CASES]
-    + [("fp8_e4m3", 32, False), ("nvfp4", None, True), ("nvfp4", None, False)],
+    + [("fp8_e4m3", 32, False), ("nvfp4", None, True), ("nvfp4", None, False),
+       ("int3", None, True), ("int3", None, False)],
 )
 @pytest.mark.parametrize("n,rotation", FUSED_SHAPES)
 def test_fused_rotate_feedback_quantize(fmt, block, stochastic, n, rotation):
@@ -105,7 +139,7 @@ def test_fused_rotate_feedback_quantize(fmt, block, stochastic, n, rotation):
     assert_same_bits(r_ref, r_out, "updated residual")
 
 
-@pytest.mark.parametrize("fmt,block", FP8_CASES + [("nvfp4", None)])
+@pytest.mark.parametrize("fmt,block", FP8_CASES + [("nvfp4", None), ("int3", None)])
 @pytest.mark.parametrize("n", [1, 17, 10_000])
 def test_accumulate(fmt, block, n):
     payloads = [

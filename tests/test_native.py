@@ -9,9 +9,10 @@ from horovod_gift.kernels import native
 from horovod_gift.codec.rotation import HadamardRotation
 
 # FP8 blocks under 16 and from 16 up take different decoding loops (native_decode.py)
-CODECS = [("nvfp4", None), ("fp8_e4m3", None), ("fp8_e4m3", 32), ("fp8_e5m2", None),
+CODECS = [("nvfp4", None), ("int3", None), ("fp8_e4m3", None), ("fp8_e4m3", 32), ("fp8_e5m2", None),
           ("fp8_e5m2", 1), ("fp8_e4m3", 8), ("fp8_e5m2", 16), ("fp8_e5m2", 4096)]
 SIZES = [1, 15, 17, 1000, 1024, 4128, 70_037]
+TENSOR_SCALED = ("nvfp4", "int3")   # payloads with an fp32 tensor scale
 
 
 def bits(t):
@@ -73,7 +74,7 @@ def test_decode_and_accumulate_equal_reference(fmt, block, n):
         payloads = [formats.quantize(sample(n, k) * (k + 1), fmt, block) for k in range(3)]
     codes = torch.stack([p[0] for p in payloads])
     scales = torch.stack([p[1] for p in payloads])
-    tensor_scales = torch.cat([p[2] for p in payloads]) if fmt == "nvfp4" else None
+    tensor_scales = torch.cat([p[2] for p in payloads]) if fmt in TENSOR_SCALED else None
     sums = both(lambda: formats.accumulate(codes, scales, tensor_scales, n, fmt, block))
     assert torch.equal(bits(sums[0]), bits(sums[1])), "sums differ"
     decoded = both(lambda: formats.dequantize(*payloads[1], n, fmt, block))
@@ -98,7 +99,7 @@ def payloads_of(fmt, block, n, k=3):
         payloads = [formats.quantize(sample(n, j) * (j + 1), fmt, block) for j in range(k)]
     codes = torch.stack([p[0] for p in payloads])
     scales = torch.stack([p[1] for p in payloads])
-    return codes, scales, torch.cat([p[2] for p in payloads]) if fmt == "nvfp4" else None
+    return codes, scales, torch.cat([p[2] for p in payloads]) if fmt in TENSOR_SCALED else None
 
 
 @pytest.mark.parametrize("fmt,block", CODECS)
@@ -122,7 +123,8 @@ def test_sum_quantize_equals_reference(monkeypatch, fmt, block, n, divisor, feed
     assert_native_alone_matches(monkeypatch, run, f"{fmt}/{block} n={n}")
 
 
-@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", 32), ("fp8_e5m2", None)])
+@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("int3", None), ("fp8_e4m3", 32),
+                                       ("fp8_e5m2", None)])
 def test_sum_quantize_of_nonfinite_follows_the_reference(fmt, block):
     """A residual holding inf makes the owner's input non-finite: the native pass leaves the
     residual as it was and the reference's rules decide, as under the torch backend."""
@@ -143,7 +145,8 @@ def test_sum_quantize_of_nonfinite_follows_the_reference(fmt, block):
     assert not torch.isfinite(got_decoded).all()
 
 
-@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", 32), ("fp8_e5m2", None)])
+@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("int3", None), ("fp8_e4m3", 32),
+                                       ("fp8_e5m2", None)])
 @pytest.mark.parametrize("rotation", [None, HadamardRotation(16, 1)])
 def test_nonfinite_input_follows_the_reference(fmt, block, rotation):
     """A NaN reaches the torch reference untouched (the residual is not half-updated): the
@@ -187,7 +190,8 @@ def test_rotation_equals_reference_into_any_output(block, inverse):
     assert not torch.equal(expected, x)
 
 
-@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", None), ("fp8_e5m2", 32)])
+@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("int3", None), ("fp8_e4m3", None),
+                                       ("fp8_e5m2", 32)])
 @pytest.mark.parametrize("hadamard", [16, 128])
 @pytest.mark.parametrize("n", [17, 4128, 70_079])
 @pytest.mark.parametrize("feedback", [False, True])
@@ -235,7 +239,7 @@ def test_rotation_with_residual_gives_each_pieces_amax(monkeypatch, block, threa
     assert list(poisoned[:5]) + list(poisoned[6:]) == list(maxima[:5]) + list(maxima[6:])
 
 
-@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", 64)])
+@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("int3", None), ("fp8_e4m3", 64)])
 def test_threads_give_the_same_bits(monkeypatch, fmt, block):
     """A large tensor is split across threads at tile boundaries; the bits do not depend on it."""
     monkeypatch.setattr(native, "THREAD_MIN_ELEMENTS", 1 << 10)
@@ -268,23 +272,26 @@ def test_threads_give_the_same_bits(monkeypatch, fmt, block):
         assert torch.equal(one, three), f"{name}: 3 threads differ from 1"
 
 
+@pytest.mark.parametrize("fmt", TENSOR_SCALED)
 @pytest.mark.parametrize("n", [(1 << 12) + 8, (1 << 12) + 1])
-def test_nvfp4_decodes_payload_pieces_at_any_byte_offset(n):
-    """A piece of a received payload starts at any byte and may end mid-byte (n odd)."""
+def test_packed_codes_decode_from_payload_pieces_at_any_byte_offset(fmt, n):
+    """A piece of a received payload starts at any byte and may end mid-byte (n odd) or
+    mid-group (INT3)."""
     x = sample(n, 4)
-    codes, scales, tensor_scale = formats.quantize(x, "nvfp4")
-    expected = formats.dequantize(codes, scales, tensor_scale, n, "nvfp4")
+    codes, scales, tensor_scale = formats.quantize(x, fmt)
+    expected = formats.dequantize(codes, scales, tensor_scale, n, fmt)
     for offset in (1, 2, 3):
         payload = torch.zeros(codes.numel() + 8, dtype=torch.uint8)
         payload[offset:offset + codes.numel()] = codes
         payload[offset + codes.numel():] = 0xFF  # garbage past the piece must not leak in
         piece = payload[offset:offset + codes.numel()]
-        decoded = formats.dequantize(piece, scales, tensor_scale, n, "nvfp4")
+        decoded = formats.dequantize(piece, scales, tensor_scale, n, fmt)
         assert torch.equal(bits(decoded), bits(expected)), f"offset {offset}"
 
 
 @pytest.mark.parametrize("backend", ["torch", "native", "triton"])
-@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", 32), ("fp8_e5m2", None)])
+@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("int3", None), ("fp8_e4m3", 32),
+                                       ("fp8_e5m2", None)])
 def test_decode_and_sum_into_a_slice_write_only_that_slice(backend, fmt, block):
     """The collective decodes each received piece straight into its place in the result, and sums
     into a reused buffer."""
@@ -310,7 +317,8 @@ def test_decode_and_sum_into_a_slice_write_only_that_slice(backend, fmt, block):
             formats.accumulate(*args, out=result[:n - 1])
 
 
-@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", None), ("fp8_e5m2", 32)])
+@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("int3", None), ("fp8_e4m3", None),
+                                       ("fp8_e5m2", 32)])
 def test_pieces_encoded_from_the_folded_rotation_equal_the_plain_path(fmt, block):
     """BucketReduction's stage 1 under a folded rotation: each piece of u + r1, encoded with its
     maximum (Codec.encode(folded_bits=...)), gives the payload and new residual of encoding the

@@ -11,7 +11,7 @@ import horovod_gift as gift
 from horovod_gift.codec.tensor_codec import Codec, TensorPieces, piece_seeds
 from horovod_gift.kernels import native
 
-CODECS = [("nvfp4", None), ("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", 32),
+CODECS = [("nvfp4", None), ("int3", None), ("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", 32),
           ("fp8_e5m2", 8)]
 ENDS = [37, 1024, 1056, 5000, 9001, 9002, 20_000]
 
@@ -76,7 +76,8 @@ def test_one_call_for_every_piece_gives_the_bits_of_a_call_each(backend, fmt, bl
     assert torch.equal(decoded.view(torch.int32), reference.view(torch.int32))
 
 
-@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("fp8_e4m3", None), ("fp8_e5m2", 32)])
+@pytest.mark.parametrize("fmt,block", [("nvfp4", None), ("int3", None), ("fp8_e4m3", None),
+                                       ("fp8_e5m2", 32)])
 def test_folded_maxima_give_the_bits_of_a_call_each(fmt, block):
     """flat already holds u + r (a folded rotation) with each piece's largest magnitude_bits:
     one call gives what encode(folded_bits=...) of each piece gives, a non-finite piece too."""

@@ -1,6 +1,6 @@
-"""encode / decode: one tensor to FP8 or NVFP4 and back.
+"""encode / decode: one tensor to FP8, NVFP4 or INT3 and back.
 
-    enc = encode(x, format="nvfp4")      # or "fp8_e4m3" / "fp8_e5m2", block_size=None | 2**k
+    enc = encode(x, format="nvfp4")      # "int3"; "fp8_e4m3" / "fp8_e5m2", block_size=None | 2**k
     y = decode(enc)                      # x's shape and dtype; enc.nbytes is its size on the wire
 
 Values are computed in fp32. Non-finite input never becomes finite output: the whole tensor
@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from horovod_gift.kernels import fp8, fused, native, nvfp4
+from horovod_gift.kernels import fp8, fused, int3, native, nvfp4
 from horovod_gift.kernels.hadamard import LANES
 
 from ..config import check_codec, runs_native, runs_triton
@@ -22,8 +22,9 @@ from .workspaces import workspace
 
 @dataclass(frozen=True)
 class Encoded:
-    """A quantized tensor. codes: uint8 (two NVFP4 codes a byte); scales: fp32 per block or per
-    tensor for FP8, E4M3 codes per 16-block for NVFP4; tensor_scale: NVFP4's fp32 tensor scale."""
+    """A quantized tensor. codes: uint8 (two NVFP4 codes a byte, 8 INT3 codes in 3); scales: fp32
+    per block or per tensor for FP8, E4M3 codes per 16-block for NVFP4 and per 32-block for INT3;
+    tensor_scale: NVFP4's and INT3's fp32 tensor scale."""
 
     format: str
     shape: torch.Size
@@ -49,10 +50,15 @@ class Encoded:
 
 def payload_layout(format, block_size, m):
     """Byte sizes (codes, scales, tensor scale) of m elements quantized to format: NVFP4 packs two
-    codes a byte with one E4M3 scale byte per 16 elements and an fp32 tensor scale; FP8 has a code
-    byte an element and an fp32 scale per block (one per tensor when block_size is None)."""
+    codes a byte with one E4M3 scale byte per 16 elements and an fp32 tensor scale (4.5 bits an
+    element and 32 a tensor); INT3 packs 8 3-bit codes in 3 bytes (3 * ceil(m / 8), the last group
+    zero-padded) with one E4M3 scale byte per 32 elements and an fp32 tensor scale (3.25 bits an
+    element and 32 a tensor); FP8 has a code byte an element and an fp32 scale per block (one per
+    tensor when block_size is None)."""
     if format == "nvfp4":
         return (m + 1) // 2, -(-m // 16), 4
+    if format == "int3":
+        return int3.packed_bytes(m), -(-m // int3.BLOCK), 4
     return m, 4 * (1 if block_size is None else -(-m // block_size)), 0
 
 
@@ -74,7 +80,7 @@ def quantize(flat, format, block_size=None, stochastic=False, seed=0, residual=N
     """The codec's one entry point on flat fp32 data: optional rotation (a HadamardRotation),
     optional error-feedback residual (fp32, updated in place), then quantization. Returns (codes,
     scales, tensor_scale). payload: a uint8 tensor of payload_layout's bytes where the native
-    kernels write the codes (and NVFP4's scale codes), returned as views of it; the other
+    kernels write the codes (and NVFP4's or INT3's scale codes), returned as views of it; the other
     scales, and every part on the other paths, are separate tensors (Codec copies them in)."""
     if rotation is not None and not isinstance(rotation, HadamardRotation):
         raise TypeError(f"quantize: rotation must be a HadamardRotation or None, "
@@ -113,6 +119,8 @@ def dequantize(codes, scales, tensor_scale, n, format, block_size=None, out=None
     if runs_triton(codes):
         if format == "nvfp4":
             return nvfp4.nvfp4_decode_triton(codes, scales, tensor_scale, n, out)
+        if format == "int3":
+            return int3.int3_decode_triton(codes, scales, tensor_scale, n, out)
         return fp8.fp8_decode_triton(codes, scales, fp8.FORMATS[format], block_size, out)
     if runs_native(codes):
         out = torch.empty(n, dtype=torch.float32, device=codes.device) if out is None else out
@@ -153,7 +161,7 @@ def encode(
         raise ValueError(f"{name}: {bad} of {flat.numel()} elements are NaN or infinite")
     codes, scales, tensor_scale = quantize(flat, format, block_size, rounding == "stochastic", seed)
     if (
-        format != "nvfp4"
+        format in fp8.FORMATS
         and block_size is not None
         and scales.numel()
         and not torch.isfinite(scales).all()

@@ -1,6 +1,7 @@
 """Codec: a format's payloads of flat fp32 pieces, with error feedback, as the reduction sends them.
 
-A payload is one piece's bytes (formats.payload_layout): codes, scales, and NVFP4's tensor scale.
+A payload is one piece's bytes (formats.payload_layout): codes, scales, and NVFP4's or INT3's
+tensor scale.
 encode / reduce_encode / decode handle one piece; encode_pieces / decode_pieces every piece of
 one tensor at once (a bucket cuts each tensor into a piece per rank it spans): one native call
 on the CPU (kernels/native_pieces.py), one or two Triton launches on a GPU (kernels/pieces.py),
@@ -12,14 +13,16 @@ from typing import Optional
 import numpy as np
 import torch
 
-from horovod_gift.kernels import native, native_pieces
+from horovod_gift.kernels import int3, native, native_pieces, nvfp4
 from horovod_gift.kernels.fp8 import FORMATS as FP8_FORMATS
-from horovod_gift.kernels.nvfp4 import TENSOR_SCALE_DIVISOR
 from horovod_gift.kernels.pieces import decode_pieces_triton, quantize_pieces_triton
 
 from ..config import check_codec, runs_native, runs_triton
 from .formats import dequantize, payload_layout, quantize, quantize_folded, sum_quantize
 from .workspaces import workspace
+
+# The largest magnitude a tensor scale stands for: the grid's largest value times E4M3's (448)
+TENSOR_SCALE_DIVISORS = {"nvfp4": nvfp4.TENSOR_SCALE_DIVISOR, "int3": int3.TENSOR_SCALE_DIVISOR}
 
 
 @dataclass(frozen=True)
@@ -34,8 +37,9 @@ class Codec:
 
     @property
     def align(self):
-        """Chunk boundaries fall on multiples of this, so no scale block straddles two owners."""
-        return 32 if self.format == "nvfp4" else max(32, self.block_size or 1)
+        """Chunk boundaries fall on multiples of this, so no scale block (nor INT3's 8-code
+        group) straddles two owners."""
+        return 32 if self.format in TENSOR_SCALE_DIVISORS else max(32, self.block_size or 1)
 
     def layout(self, m):
         """Byte sizes (codes, scales, tensor scale) of an m-element piece."""
@@ -118,13 +122,13 @@ class Codec:
 
     def split_rows(self, payloads, m):
         """The (codes, scales, tensor scale) of every row of payloads (k, payload_bytes(m)):
-        codes (k, c), scales (k, ...) and NVFP4's tensor scales (k,), or None."""
+        codes (k, c), scales (k, ...) and NVFP4's or INT3's tensor scales (k,), or None."""
         c, s, t = self.layout(m)
         # pieces start at any byte offset; fp32 views need 4-byte alignment, hence the copies
         def fp32(part):
             return part.clone(memory_format=torch.contiguous_format).view(torch.float32)
 
-        if self.format == "nvfp4":
+        if self.format in TENSOR_SCALE_DIVISORS:
             tensor_scales = fp32(payloads[:, c + s : c + s + t])[:, 0]
             return payloads[:, :c], payloads[:, c : c + s], tensor_scales
         return payloads[:, :c], fp32(payloads[:, c : c + s]), None
@@ -134,11 +138,11 @@ class Codec:
         from its scales (a one-element fp32 tensor on the payload's device, no host sync); not
         finite when the piece was not. It also bounds every value the payload decodes to (the
         piece's own amax, which encode_pieces reports, does so to within rounding).
-        NVFP4: the tensor scale times 6 * 448; FP8: the largest scale times the format's
-        largest value."""
+        NVFP4: the tensor scale times 6 * 448, INT3: times 3 * 448; FP8: the largest scale
+        times the format's largest value."""
         _, scales, tensor_scale = self.split(payload, m)
-        if self.format == "nvfp4":
-            return tensor_scale * TENSOR_SCALE_DIVISOR
+        if self.format in TENSOR_SCALE_DIVISORS:
+            return tensor_scale * TENSOR_SCALE_DIVISORS[self.format]
         return scales.max().reshape(1) * FP8_FORMATS[self.format].max
 
     def decode(self, payload, m, out=None):

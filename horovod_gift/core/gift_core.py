@@ -47,9 +47,10 @@ class StepState:
 class GiftCore(GiftStateBase):
     """State of the low-precision gradient exchange for one model.
 
-    format: "nvfp4" | "fp8_e4m3" | "fp8_e5m2"; block_size: FP8 scale block (None: per tensor);
-    error_feedback: keep each stage's quantization error and add it back next step; nonfinite:
-    "nan" (a non-finite gradient comes back NaN on every rank) or "raise" (every rank raises).
+    format: "nvfp4" | "int3" | "fp8_e4m3" | "fp8_e5m2"; block_size: FP8 scale block (None: per
+    tensor); error_feedback: keep each stage's quantization error and add it back next step;
+    nonfinite: "nan" (a non-finite gradient comes back NaN on every rank) or "raise" (every rank
+    raises).
 
     Geometry (benchmarks/results/fidelity.md measures each choice on a small Llama's gradients, with
     statistics from earlier batches only, as training has them):
