@@ -237,7 +237,7 @@ def test_bytes_on_the_wire(monkeypatch):
     monkeypatch.setattr(hvd, "alltoall_async", alltoall_async)
     monkeypatch.setattr(hvd, "allgather_async", allgather_async)
     n = hvd.size()
-    for fmt, bits in (("nvfp4", 4.5), ("fp8_e4m3", 8.0)):
+    for fmt, bits in (("nvfp4", 4.5), ("fp8_e4m3", 8.0), ("int3", 3.25)):
         counted["bytes"] = 0
         model, opt, compression = make(fmt, transform="none")
         run(model, opt, steps=3)
