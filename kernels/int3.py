@@ -18,7 +18,9 @@ from .rounding import (
     RNE_MAGIC,
     blocks_torch,
     decode_float,
+    e4m3_block_denominators,
     encode_float,
+    tensor_scale_torch,
     uniform_hash,
     uniform_hash_torch,
 )
@@ -155,13 +157,7 @@ def int3_decode_triton(packed, scale_codes, tensor_scale, n, out=None):
 
 # ---------------------------------------------------------------- torch references (the CPU path)
 def int3_tensor_scale_torch(amax):
-    amax = amax.to(torch.float32)
-    nan = torch.full_like(amax, float("nan"))
-    return torch.where(torch.isfinite(amax), amax / TENSOR_SCALE_DIVISOR, nan)
-
-
-def int3_block_denominators(scale_codes, tensor_scale):
-    return scale_codes.view(torch.float8_e4m3fn).to(torch.float32) * tensor_scale
+    return tensor_scale_torch(amax, TENSOR_SCALE_DIVISOR)
 
 
 def int3_quantize_blocks_torch(blocks, block_amax, tensor_scale, seed=0, stochastic=False):
@@ -171,7 +167,7 @@ def int3_quantize_blocks_torch(blocks, block_amax, tensor_scale, seed=0, stochas
     t_usable = (tensor_scale > 0) & (tensor_scale < float("inf"))
     ratio = torch.where(t_usable, block_amax / (tensor_scale * float(LEVELS)), 0.0)
     scale_codes = ratio.clamp_max(E4M3.max).to(torch.float8_e4m3fn).view(torch.uint8)
-    denom = int3_block_denominators(scale_codes, tensor_scale)
+    denom = e4m3_block_denominators(scale_codes, tensor_scale)
     # dividing by inf gives the kernel's zeros for unusable blocks with no full-size mask
     v = blocks / torch.where((denom > 0) & (denom < float("inf")), denom, float("inf"))[:, None]
     a = v.abs()
@@ -201,7 +197,7 @@ def int3_values_torch(codes, scale_codes, tensor_scale):
     codes = codes.to(torch.int32)
     if codes.numel() != scale_codes.numel() * BLOCK:
         codes = torch.nn.functional.pad(codes, (0, scale_codes.numel() * BLOCK - codes.numel()))
-    denom = int3_block_denominators(scale_codes, tensor_scale.to(torch.float32).reshape(()))
+    denom = e4m3_block_denominators(scale_codes, tensor_scale.to(torch.float32).reshape(()))
     level = (codes & 3).to(torch.float32)
     return (torch.where(codes >= 4, -level, level).view(-1, BLOCK) * denom[:, None]).reshape(-1)
 

@@ -10,9 +10,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import (E2M1, E4M3, EXACT_ARITHMETIC, blocks_torch, decode_e2m1_torch, decode_float,
-                       encode_float, encode_float_torch, round_e2m1_nearest_torch, uniform_hash,
-                       uniform_hash_torch)
+from .rounding import (
+    E2M1,
+    E4M3,
+    EXACT_ARITHMETIC,
+    blocks_torch,
+    decode_e2m1_torch,
+    decode_float,
+    e4m3_block_denominators,
+    encode_float,
+    encode_float_torch,
+    round_e2m1_nearest_torch,
+    tensor_scale_torch,
+    uniform_hash,
+    uniform_hash_torch,
+)
 
 BLOCK = 16
 # The kernels spell the two formats out as (ebits, mbits, bias, max) literals: E4M3 = (4, 3, 7,
@@ -131,13 +143,7 @@ def nvfp4_decode_triton(packed, scale_codes, tensor_scale, n, out=None):
 
 # ---------------------------------------------------------------- torch references (the CPU path)
 def nvfp4_tensor_scale_torch(amax):
-    amax = amax.to(torch.float32)
-    nan = torch.full_like(amax, float("nan"))
-    return torch.where(torch.isfinite(amax), amax / TENSOR_SCALE_DIVISOR, nan)
-
-
-def nvfp4_block_denominators(scale_codes, tensor_scale):
-    return scale_codes.view(torch.float8_e4m3fn).to(torch.float32) * tensor_scale
+    return tensor_scale_torch(amax, TENSOR_SCALE_DIVISOR)
 
 
 def nvfp4_codes_torch(x, tensor_scale, seed=0, stochastic=False):
@@ -157,7 +163,7 @@ def nvfp4_quantize_blocks_torch(blocks, block_amax, tensor_scale, seed=0, stocha
     t_usable = (tensor_scale > 0) & (tensor_scale < float("inf"))
     ratio = torch.where(t_usable, block_amax / (tensor_scale * 6.0), 0.0)
     scale_codes = ratio.clamp_max(E4M3.max).to(torch.float8_e4m3fn).view(torch.uint8)
-    denom = nvfp4_block_denominators(scale_codes, tensor_scale)
+    denom = e4m3_block_denominators(scale_codes, tensor_scale)
     # dividing by inf gives the kernel's zeros for unusable blocks with no full-size mask
     v = blocks / torch.where((denom > 0) & (denom < float("inf")), denom, float("inf"))[:, None]
     if stochastic:
@@ -175,7 +181,7 @@ def nvfp4_values_torch(codes, scale_codes, tensor_scale):
     codes = codes.to(torch.int32)     # uint8 compares are slow in Inductor's CPU code
     if codes.numel() != scale_codes.numel() * BLOCK:
         codes = torch.nn.functional.pad(codes, (0, scale_codes.numel() * BLOCK - codes.numel()))
-    denom = nvfp4_block_denominators(scale_codes, tensor_scale.to(torch.float32).reshape(()))
+    denom = e4m3_block_denominators(scale_codes, tensor_scale.to(torch.float32).reshape(()))
     return (decode_e2m1_torch(codes).view(-1, BLOCK) * denom[:, None]).reshape(-1)
 
 

@@ -120,6 +120,19 @@ def blocks_torch(x, block_size):
     return x.view(-1, block_size)
 
 
+def tensor_scale_torch(amax, divisor):
+    """A block format's fp32 tensor scale, amax / divisor (its grid maximum times E4M3's 448);
+    NaN for a non-finite amax, so the whole tensor decodes to NaN."""
+    amax = amax.to(torch.float32)
+    nan = torch.full_like(amax, float("nan"))
+    return torch.where(torch.isfinite(amax), amax / divisor, nan)
+
+
+def e4m3_block_denominators(scale_codes, tensor_scale):
+    """What each block's values are multiplied by: its E4M3 scale code times the tensor scale."""
+    return scale_codes.view(torch.float8_e4m3fn).to(torch.float32) * tensor_scale
+
+
 def pow2_torch(e):
     return ((e + 127) << 23).to(torch.int32).view(torch.float32)
 
