@@ -16,9 +16,9 @@ summed over the ranks of its group. With L ranks a node and N nodes (rank = node
             1/N's owner, fp32 sum, stage 2 re-quantized and allgathered), so every replica ends
             with the same bits. One residual, r1 over the row (1/L of the group, residual_dtype):
             stage 2's error, over the owner's 1/N of the row, is folded into r1's same elements
-            (times the divisor) as the step ends, and so re-enters the next step's sum through
-            stage 1. A residual of its own would hold 1/N more; folding only at refresh steps
-            (what 0.3's HSDP did) costs it as well.
+            (times the divisor) once the reduction finishes, and re-enters the next step's sum
+            through stage 1. A residual of its own would hold 1/N more; folding only at refresh
+            steps (what 0.3's HSDP did) costs it as well.
 
 Bytes across a node's link per gradient element a step (b: bits an element, scales included):
 OneHop (P - L) / P * b / 8 * L; TwoHops (N - 1) / N * b / 8; Hsdp 2 (N - 1) / N * b / 8, against
@@ -97,11 +97,11 @@ class Hsdp(TwoHops):
         flats = [_part(row, layout, i) for i in coded]
         residual = state.residual(layout, row.device)
         wide = None if residual is None else residual.to(torch.float32)
-        owned = BucketLayout.of(tuple(f.numel() for f in flats), self.cross.size,
-                                state.codec.align)
+        bucket = BucketLayout.of(tuple(f.numel() for f in flats), self.cross.size,
+                                 state.codec.align)
         # stage 2's error on the part this rank owns: fp32, for this step only
         second = None if wide is None or not flats else torch.zeros(
-            owned.owned[self.cross.rank], dtype=torch.float32, device=row.device)
+            bucket.owned[self.cross.rank], dtype=torch.float32, device=row.device)
         reduction = BucketReduction(
             "gift.fsdp.replicas", flats, state.codec, self.cross,
             residual1=None if wide is None else [_part(wide, layout, i) for i in coded],
@@ -119,7 +119,7 @@ class Hsdp(TwoHops):
             state.add_bounds(reduction.amax_bounds)
         if second is not None:    # r1[owned part] += divisor * e2: the sum was divided by it
             fold_into([_part(wide, layout, i) for i in coded], second,
-                      owned.pieces[self.cross.rank], divisor)
+                      bucket.pieces[self.cross.rank], divisor)
         if residual is not None and wide is not residual:
             residual.copy_(wide)
         if fp32 is not None:
