@@ -40,7 +40,8 @@ from model import Llama, LlamaConfig  # noqa: E402
 
 CODECS = {"fp8_e5m2": ("fp8_e5m2", None, "FP8 E5M2, per tensor"),
           "fp8_e4m3": ("fp8_e4m3", None, "FP8 E4M3, per tensor"),
-          "nvfp4": ("nvfp4", None, "NVFP4")}
+          "nvfp4": ("nvfp4", None, "NVFP4"),
+          "int3": ("int3", None, "INT3 (7 levels, block 32)")}
 LIBRARY = "isotropic-r32-d1"     # GIFT's default whitening (the one "auto" chooses from too)
 SWEEP = ["none", "hadamard", "aligned128", "aligned16", "before", "before+hadamard",
          "diagonal-r32-d1", "diagonal-r32-d1+hadamard",

@@ -44,7 +44,8 @@ from data import ByteBatches, read_corpus  # noqa: E402
 from train_hf import CausalLM, make_config  # noqa: E402
 
 CODECS = {"nvfp4": ("NVFP4", Codec("nvfp4")),
-          "fp8_e4m3": ("FP8 E4M3, per tensor", Codec("fp8_e4m3"))}
+          "fp8_e4m3": ("FP8 E4M3, per tensor", Codec("fp8_e4m3")),
+          "int3": ("INT3 (7 levels, block 32)", Codec("int3"))}
 GROUPS = ("linear", "tied embedding", "other 2-D", "all 2-D")
 # plan -> (transform of whitenable weights, of the others)
 PLANS = {"none": ("none", "none"), "hadamard": ("hadamard", "hadamard"),
