@@ -1,10 +1,9 @@
 """NodeAwareCommunicator (reduce/node_aware.py) on simulated nodes, one thread a rank: the same
 sums and broadcasts as one flat group, the same bits on every rank, and 1/L of an all-reduce (the
 root's local rank only, for a broadcast) across the nodes."""
-import threading
-
 import pytest
 import torch
+from test_core import run_ranks
 
 from horovod_gift.reduce.communicator import LocalGroup
 from horovod_gift.reduce.node_aware import SMALL, NodeAwareCommunicator
@@ -26,32 +25,21 @@ class CountingCommunicator:
 
 
 def run_nodes(nodes, per_node, work, shuffled=False):
-    """work(rank, NodeAwareCommunicator) on every rank (rank = node * per_node + local, or node
-    and local rank taken from a shuffled placement); (what each returned, its cross
-    communicator)."""
+    """work(rank, NodeAwareCommunicator) on every rank, one thread a rank (test_core.run_ranks:
+    its group is the world); rank = node * per_node + local, or node and local rank taken from
+    a shuffled placement. (what each returned, its cross communicator)."""
     ranks = nodes * per_node
-    world = LocalGroup(ranks, threads=True).communicators()
     node = [LocalGroup(per_node, threads=True).communicators() for _ in range(nodes)]
     cross = [[CountingCommunicator(c) for c in LocalGroup(nodes, threads=True).communicators()]
              for _ in range(per_node)]
     order = torch.randperm(ranks, generator=torch.Generator().manual_seed(1)).tolist() \
         if shuffled else list(range(ranks))
-    out = [None] * ranks
 
-    def run(rank):
+    def placed(rank, world):
         n, local = divmod(order[rank], per_node)
-        try:
-            out[rank] = work(rank, NodeAwareCommunicator(world[rank], node[n][local],
-                                                         cross[local][n]))
-        except Exception as error:      # every rank's error is what the tests look at
-            out[rank] = error
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+        return work(rank, NodeAwareCommunicator(world, node[n][local], cross[local][n]))
     crossing = [cross[order[r] % per_node][order[r] // per_node] for r in range(ranks)]
-    return out, crossing
+    return run_ranks(ranks, placed), crossing
 
 
 def values(rank, numel):

@@ -28,6 +28,7 @@ import torch
 
 from ..reduce.collective import BucketLayout, BucketReduction, Fp32Reduction, timed_wait
 from ..reduce.feedback import fold_into
+from ..reduce.node_aware import NodeAwareCommunicator
 
 TOPOLOGIES = ("auto", "flat", "two-hop")
 
@@ -45,6 +46,10 @@ class OneHop:
     def quantized_rows(self, rows):
         """How many of a buffer's rows this rank quantizes (its residual's rows)."""
         return rows
+
+    def statistics_comm(self):
+        """The communicator of the whitening statistics' refresh (collective to make)."""
+        return self.comm
 
     def reduce(self, state, layout, rows, divisor):
         """This rank's row of the sum of every rank's rows (rows: fp32, its own buffer, may be
@@ -67,6 +72,10 @@ class TwoHops(OneHop):
 
     def quantized_rows(self, rows):
         return rows // self.node.size
+
+    def statistics_comm(self):
+        """Across nodes the refresh crosses each node's link once (reduce/node_aware.py)."""
+        return NodeAwareCommunicator(self.comm, self.node, self.cross)
 
     def reduce(self, state, layout, rows, divisor):
         summed = node_reduce_scatter(state, rows, self.node)

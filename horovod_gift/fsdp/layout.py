@@ -11,7 +11,6 @@ from ..core.state_base import NOTHING_PENDING, GiftStateBase, fingerprint
 from ..geometry.linear_layers import linear_readers
 from ..reduce.collective import RowReduction, mix_seed, name_key
 from ..reduce.feedback import scrub
-from ..reduce.node_aware import NodeAwareCommunicator
 from ..telemetry import logger
 from .internals import param_group, trained_fsdp_params
 
@@ -89,12 +88,11 @@ class FsdpGiftState(GiftStateBase):
 
     # ---------------------------------------------------------------- layout and step
     def use(self, hops):
-        """Reduce through hops (hops.py): its comm holds every rank. Across nodes the statistics'
-        refresh crosses each node's link once (reduce/node_aware.py; collective)."""
+        """Reduce through hops (hops.py): its comm holds every rank; the statistics take the
+        communicator hops gives them (collective)."""
         self.hops = hops
         self.set_comm(hops.comm)
-        if getattr(hops, "node", None) is not None:
-            self.statistics.comm = NodeAwareCommunicator(hops.comm, hops.node, hops.cross)
+        self.statistics.comm = hops.statistics_comm()
 
     def begin(self, module, buffer, group):
         """At each reduce-scatter: the step's start at a backward's first (_begin_step); the
