@@ -40,7 +40,8 @@ HOROVOD_ARMS = {"hvd-fp32": "none", "hvd-fp16": "fp16", "gift-fp8": "gift-fp8",
 # benchmarks/cluster.py's arms on nodes of --node-size ranks: arm -> (--compression, GIFT options)
 NODE_ARMS = {"hvd-fp32-hier": ("none", {}), "gift-nvfp4-flat": ("gift-nvfp4", {"topology": "flat"}),
              "gift-nvfp4-2hop": ("gift-nvfp4", {"topology": "two-hop"}),
-             "gift-fp8-2hop": ("gift-fp8", {"topology": "two-hop"})}
+             "gift-fp8-2hop": ("gift-fp8", {"topology": "two-hop"}),
+             "gift-int3-2hop": ("gift-int3", {"topology": "two-hop"})}
 # arm -> its hook: PowerSGD's rank, "bf16" (DDP's bf16_compress_hook), "gift" (GIFT's), None
 DDP_ARMS = {"ddp-fp32": None, "ddp-bf16": "bf16", "ddp-powersgd-r1": 1, "ddp-powersgd-r4": 4,
             "ddp-gift-nvfp4": "gift"}
@@ -55,6 +56,9 @@ FSDP_NODE_ARMS = {"fsdp-bf16": ("fsdp", torch.bfloat16, None),
                   "hsdp-bf16": ("hsdp", torch.bfloat16, None),
                   "hsdp-gift-nvfp4": ("hsdp", None, {}),
                   "hsdp-gift-nvfp4-ag8": ("hsdp", None, {"param_format": "fp8_e4m3"}),
+                  "hsdp-gift-int3": ("hsdp", None, {"format": "int3"}),
+                  "fsdp-gift-int3-2hop": ("fsdp", None, {"topology": "two-hop",
+                                                         "format": "int3"}),
                   "fsdp-gift-nvfp4-2hop-ag8": ("fsdp", None, {"topology": "two-hop",
                                                               "param_format": "fp8_e4m3"}),
                   "fsdp-gift-nvfp4-2hop-ag8-hpz": ("fsdp-hpz", None, {
@@ -249,8 +253,8 @@ class FsdpArm(DdpArm):
         self.optimizer = train_llama.make_optimizer(model, args.lr)
         self.powersgd, self.gift, self.waited = None, None, [0.0]
         if gift is not None:
-            self.gift = attach(model, format="nvfp4", verbose=False, node_size=args.node_size,
-                               **gift)
+            self.gift = attach(model, **{"format": "nvfp4", "verbose": False,
+                                         "node_size": args.node_size, **gift})
         else:
             for module in model.modules():
                 if hasattr(module, "set_custom_reduce_scatter"):
