@@ -14,10 +14,10 @@ bias-corrected second moments before step t (what the quantization error does to
 Transforms: "none"; "hadamard" (the library's rotation: 16 interleaved blocks of 128, so every
 16-element NVFP4 block holds one coefficient of each of 16 rotation blocks); "aligned<B>" (the
 benchmark's contiguous blocks of B: each NVFP4 block lies inside one rotation block); whitening
-"<root>-r<rank>-d<damping>[-dense]" (geometry/whitening.py: root isotropic | diagonal | symmetric, damping
-relative to tr(A)/in, the Nystrom sketch unless -dense), optionally "+hadamard" / "+aligned<B>";
-"before" = the library's whitening before this study (diagonal root, rank 32, absolute damping
-1e-3). "auto" = the library's rule: each layer takes whichever of none / hadamard / isotropic /
+"<root>-r<rank>-d<damping>[-dense]" (geometry/whitening.py: root isotropic | diagonal |
+symmetric, damping relative to tr(A)/in, the Nystrom sketch unless -dense), optionally
+"+hadamard" / "+aligned<B>"; "before" = the library's whitening before this study (diagonal root,
+rank 32, absolute damping 1e-3). "auto" = the library's rule: each layer takes whichever of none / hadamard / isotropic /
 isotropic+hadamard had the smallest error on step t-1's gradient (statistics one step older).
 
     .venv/bin/python benchmarks/fidelity.py     # about 15 minutes on 2 cores

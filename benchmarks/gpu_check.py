@@ -387,7 +387,7 @@ def main():
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (Triton interpreter dry run)"
     print(f"device: {name}  torch {torch.__version__}  triton {triton.__version__}")
     x = torch.randn(n, device=DEVICE)
-    copy_ms = bench(lambda: x.clone())
+    copy_ms = bench(x.clone)
     copy_gbs = 8 * n / copy_ms / 1e6
     failures = []
     # correctness on a smaller tensor (the CPU reference is slow), speed on the large one

@@ -38,7 +38,8 @@ from data import ByteBatches, read_corpus  # noqa: E402
 HOROVOD_ARMS = {"hvd-fp32": "none", "hvd-fp16": "fp16", "gift-fp8": "gift-fp8",
                 "gift-nvfp4": "gift-nvfp4"}           # arm -> train_llama --compression
 # benchmarks/cluster.py's arms on nodes of --node-size ranks: arm -> (--compression, GIFT options)
-NODE_ARMS = {"hvd-fp32-hier": ("none", {}), "gift-nvfp4-flat": ("gift-nvfp4", {"topology": "flat"}),
+NODE_ARMS = {"hvd-fp32-hier": ("none", {}),
+             "gift-nvfp4-flat": ("gift-nvfp4", {"topology": "flat"}),
              "gift-nvfp4-2hop": ("gift-nvfp4", {"topology": "two-hop"}),
              "gift-fp8-2hop": ("gift-fp8", {"topology": "two-hop"}),
              "gift-int3-2hop": ("gift-int3", {"topology": "two-hop"})}

@@ -196,8 +196,9 @@ class SharedInputs(torch.nn.Module):
 
 
 def statistics_of(model):
-    return WhiteningStatistics(model, dict(model.named_parameters()), whitening_rank=4, damping=1e-3,
-                               refresh_every=1, window=10, comm=HorovodCommunicator())
+    return WhiteningStatistics(model, dict(model.named_parameters()), whitening_rank=4,
+                               damping=1e-3, refresh_every=1, window=10,
+                               comm=HorovodCommunicator())
 
 
 def statistics_step(model, stats, x):
@@ -251,8 +252,9 @@ def test_refresh_uses_a_bias_corrected_ema_of_earlier_steps_only(horovod):
     d = 1 - 1/window; the fourth step's own batch (huge here) is not in it."""
     torch.manual_seed(0)
     model = SharedInputs()
-    stats = WhiteningStatistics(model, dict(model.named_parameters()), whitening_rank=4, damping=0.1,
-                                refresh_every=3, window=4, comm=HorovodCommunicator())
+    stats = WhiteningStatistics(model, dict(model.named_parameters()), whitening_rank=4,
+                                damping=0.1, refresh_every=3, window=4,
+                                comm=HorovodCommunicator())
     batches = [torch.randn(n, 1, 32) for n in (4, 8, 2)] + [torch.randn(5, 1, 32) * 100]
     for x in batches:
         statistics_step(model, stats, x)
