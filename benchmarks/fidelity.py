@@ -17,8 +17,9 @@ benchmark's contiguous blocks of B: each NVFP4 block lies inside one rotation bl
 "<root>-r<rank>-d<damping>[-dense]" (geometry/whitening.py: root isotropic | diagonal |
 symmetric, damping relative to tr(A)/in, the Nystrom sketch unless -dense), optionally
 "+hadamard" / "+aligned<B>"; "before" = the library's whitening before this study (diagonal root,
-rank 32, absolute damping 1e-3). "auto" = the library's rule: each layer takes whichever of none / hadamard / isotropic /
-isotropic+hadamard had the smallest error on step t-1's gradient (statistics one step older).
+rank 32, absolute damping 1e-3). "auto" = the library's rule: each layer takes whichever of
+none / hadamard / isotropic / isotropic+hadamard had the smallest error on step t-1's gradient
+(statistics one step older).
 
     .venv/bin/python benchmarks/fidelity.py     # about 15 minutes on 2 cores
 """
