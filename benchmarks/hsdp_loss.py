@@ -1,7 +1,8 @@
 """Does GIFT under HSDP and two hops keep FSDP fp32's held-out loss? examples/train_llama.py on 4
 ranks as 2 simulated nodes x 2 (torchrun, gloo, --node-size 2), paired seeds: FSDP2 fp32 (1-D),
 HSDP + GIFT NVFP4 (bf16 residuals with stage 2's error folded in), the same with FP8 parameter
-all-gathers, and 1-D FSDP + GIFT over two hops with FP8 all-gathers.
+all-gathers, the same with fp32 residuals, and 1-D FSDP + GIFT over two hops with FP8
+all-gathers.
 
 fsdp_cluster.py times these arms over shaped links, 3 seeds; this study is the loss alone, with
 more seeds and steps on this machine's loopback. Endpoint: the held-out loss at the last step, as
@@ -28,6 +29,8 @@ FP8_GATHER = ["--param-format", "fp8_e4m3"]
 ARMS = {"fsdp fp32": ["--engine", "fsdp", "--compression", "none"],
         "hsdp gift-nvfp4": ["--engine", "hsdp", *GIFT],
         "hsdp gift-nvfp4 ag8": ["--engine", "hsdp", *GIFT, *FP8_GATHER],
+        # FSDP's residuals are bf16 by default, DDP's fp32: is that where HSDP's cost comes from?
+        "hsdp gift-nvfp4 fp32 residuals": ["--engine", "hsdp", *GIFT, "--residual-dtype", "fp32"],
         "fsdp two-hop gift-nvfp4 ag8": ["--engine", "fsdp", *GIFT, *FP8_GATHER]}
 BASELINE = "fsdp fp32"
 

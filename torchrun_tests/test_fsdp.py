@@ -30,8 +30,11 @@ def make(seed=0, **options):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2), state
 
 
-def test_training_follows_fsdp_fp32_and_the_full_parameters_are_identical_on_every_rank():
-    model, opt, state = make(**OPTIONS)
+# bf16: FSDP's default; fp32: what the README offers, whose residual the refresh reads in place
+@pytest.mark.parametrize("residual_dtype", [torch.bfloat16, torch.float32])
+def test_training_follows_fsdp_fp32_and_the_full_parameters_are_identical_on_every_rank(
+        residual_dtype):
+    model, opt, state = make(**OPTIONS, residual_dtype=residual_dtype)
     losses = train(model, opt, 12)
     reference, ref_opt, _ = make()
     ref_losses = train(reference, ref_opt, 12)

@@ -46,9 +46,10 @@ def trained_elements(model):
     return sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("residual_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", ["hsdp", "fsdp"])
-def test_training_follows_fp32_and_every_rank_ends_with_the_same_parameters(kind):
-    model, opt, state = make(kind, **OPTIONS)
+def test_training_follows_fp32_and_every_rank_ends_with_the_same_parameters(kind, residual_dtype):
+    model, opt, state = make(kind, **OPTIONS, residual_dtype=residual_dtype)
     losses = train(model, opt, 12)
     reference, ref_opt, _ = make(kind)
     ref_losses = train(reference, ref_opt, 12)

@@ -213,7 +213,9 @@ class FsdpGiftState(GiftStateBase):
             if name in layout.names and layout.key in self.residuals:
                 rows = self.residuals[layout.key].view(layout.ranks, layout.shard)
                 part = layout.columns(rows, layout.names.index(name))
-                x = part.reshape(-1, whitening.in_features).to(torch.float32)
+                # a copy: an fp32 residual whose columns are contiguous would be read in place,
+                # and copy_ refuses a source that overlaps its destination
+                x = part.reshape(-1, whitening.in_features).to(torch.float32, copy=True)
                 whitening.inverse(x, factors=old_factors, out=x)
                 part.copy_(whitening.forward(x, out=x).view(part.shape))
 
