@@ -30,7 +30,7 @@ def make(seed=0, **options):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2), state
 
 
-# bf16: FSDP's default; fp32: what the README offers, whose residual the refresh reads in place
+# bf16: FSDP's default; fp32: the README's other choice (under HSDP its refresh once crashed)
 @pytest.mark.parametrize("residual_dtype", [torch.bfloat16, torch.float32])
 def test_training_follows_fsdp_fp32_and_the_full_parameters_are_identical_on_every_rank(
         residual_dtype):
