@@ -31,7 +31,11 @@ ARMS = {"fsdp fp32": ["--engine", "fsdp", "--compression", "none"],
         "hsdp gift-nvfp4 ag8": ["--engine", "hsdp", *GIFT, *FP8_GATHER],
         # FSDP's residuals are bf16 by default, DDP's fp32: is that where HSDP's cost comes from?
         "hsdp gift-nvfp4 fp32 residuals": ["--engine", "hsdp", *GIFT, "--residual-dtype", "fp32"],
-        "fsdp two-hop gift-nvfp4 ag8": ["--engine", "fsdp", *GIFT, *FP8_GATHER]}
+        "fsdp two-hop gift-nvfp4 ag8": ["--engine", "fsdp", *GIFT, *FP8_GATHER],
+        # controls: the same two hops under DDP (fp32 residuals, whole-tensor whitening), and
+        # HSDP with FP8 in place of NVFP4
+        "ddp two-hop gift-nvfp4": ["--engine", "ddp", *GIFT],
+        "hsdp gift-fp8": ["--engine", "hsdp", "--compression", "gift-fp8", "--node-size", "2"]}
 BASELINE = "fsdp fp32"
 
 
@@ -45,19 +49,23 @@ def main():
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS),
+                   help="the arms to run and tabulate (the baseline always runs)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "hsdp_loss.md"))
     args = p.parse_args()
     args.ranks = 4
     out_dir = ROOT / "runs" / "hsdp_loss"
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    results = {(arm, s): run(arm, flags, s, args, out_dir)
-               for s in args.seeds for arm, flags in ARMS.items()}
+    arms = [BASELINE] + [arm for arm in args.arms if arm != BASELINE]
+    results = {(arm, s): run(arm, ARMS[arm], s, args, out_dir)
+               for s in args.seeds for arm in arms}
     n_params = parameters(args)
     lines = [
         "# GIFT under HSDP and two hops: held-out loss against FSDP fp32", "",
         f"Command: `.venv/bin/python benchmarks/hsdp_loss.py --seeds "
-        f"{' '.join(map(str, args.seeds))} --steps {args.steps}` "
+        f"{' '.join(map(str, args.seeds))} --steps {args.steps}"
+        f"{'' if arms == list(ARMS) else ' --arms ' + ' '.join(repr(a) for a in arms[1:])}` "
         f"({(time.perf_counter() - t0) / 60:.0f} min; runs already on disk are reused)", "",
         f"examples/train_llama.py on 4 ranks as 2 nodes x 2 (torchrun, gloo, this 2-core CPU "
         f"machine), --dim {args.dim} --layers {args.layers} ({n_params} parameters), "
@@ -70,7 +78,7 @@ def main():
         "| residual bytes / parameter | bits / element | seconds a run |",
         "|---|---|---|---|---|---|---|"]
     base = sum(results[BASELINE, s]["final"] for s in args.seeds) / len(args.seeds)
-    for arm in ARMS:
+    for arm in arms:
         runs = [results[arm, s] for s in args.seeds]
         finals = [r["final"] for r in runs]
         paired, percent = "-", "-"

@@ -128,6 +128,7 @@ class TorchEngine:
 
 class DdpEngine(TorchEngine):
     name = "ddp"
+    lockstep_forward = True     # every forward broadcasts the model's buffers from rank 0
 
     def wrap(self, model, make_optimizer, args, make_compression):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -141,7 +142,8 @@ class DdpEngine(TorchEngine):
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif args.compression != "none":
             compressor = GiftState(ddp, **gift_options(args, bucket_elements=args.bucket_elements,
-                                                       start_step=args.start_step))
+                                                       start_step=args.start_step,
+                                                       node_size=args.node_size))
             ddp.register_comm_hook(compressor, gift_hook)
         return ddp, make_optimizer(model), compressor
 

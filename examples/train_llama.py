@@ -71,7 +71,7 @@ def make_parser(description=__doc__):
                    help="horovod: launch with horovodrun or mpirun; ddp, fsdp, hsdp (FSDP2 "
                         "sharded in each node, replicated across): with torchrun")
     p.add_argument("--node-size", type=int, default=None,
-                   help="ranks a node for --engine hsdp and GIFT's two hops under fsdp "
+                   help="ranks a node for --engine hsdp and GIFT's two hops under ddp and fsdp "
                         "(default: torchrun's LOCAL_WORLD_SIZE); set it to simulate nodes")
     p.add_argument("--compression", default="gift-nvfp4", choices=list(COMPRESSIONS))
     p.add_argument("--param-format", default=None, choices=("fp8_e4m3",),
