@@ -35,7 +35,8 @@ ARMS = {"fsdp fp32": ["--engine", "fsdp", "--compression", "none"],
         # controls: the same two hops under DDP (fp32 residuals, whole-tensor whitening), and
         # HSDP with FP8 in place of NVFP4
         "ddp two-hop gift-nvfp4": ["--engine", "ddp", *GIFT],
-        "hsdp gift-fp8": ["--engine", "hsdp", "--compression", "gift-fp8", "--node-size", "2"]}
+        "hsdp gift-fp8": ["--engine", "hsdp", "--compression", "gift-fp8", "--node-size", "2"],
+        "hsdp gift-int3": ["--engine", "hsdp", "--compression", "gift-int3", "--node-size", "2"]}
 BASELINE = "fsdp fp32"
 
 
@@ -54,7 +55,8 @@ def main():
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "hsdp_loss.md"))
     args = p.parse_args()
     args.ranks = 4
-    out_dir = ROOT / "runs" / "hsdp_loss"
+    # runs are cached by arm and seed: a study of another length has a folder of its own
+    out_dir = ROOT / "runs" / ("hsdp_loss" if args.steps == 200 else f"hsdp_loss_{args.steps}")
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     arms = [BASELINE] + [arm for arm in args.arms if arm != BASELINE]
