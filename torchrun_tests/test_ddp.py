@@ -48,6 +48,10 @@ def test_training_is_bit_identical_on_every_rank_and_follows_ddp_fp32():
     ref_losses = train(reference, ref_opt, 12, check=False)
     assert state.step == 12
     assert state.stats()["bits_per_element"] < 8, state.stats()
+    # fp32 residuals: r1 over every quantized parameter, r2 over this rank's share of the buckets
+    quantized = sum(p.numel() for p in model.parameters() if p.numel() >= 1024)
+    total = sum(p.numel() for p in model.parameters())
+    assert 4 * quantized <= state.stats()["residual_bytes"] <= 4 * total * 1.6, state.stats()
     assert losses[-1] < losses[0] - 0.1, losses
     assert abs(losses[-1] - ref_losses[-1]) < 0.05, (losses, ref_losses)
     # the whitening ran: the linear weights took it, its factors exist

@@ -323,8 +323,11 @@ class GiftCore(GiftStateBase):
         quantized path (node_bytes_sent: the part a two-hop reduction sent inside its node),
         bits per gradient element encoded (uncompressed tensors at 32), seconds in the codec,
         seconds waiting inside GIFT (for the network, and at a step's start for the slowest
-        rank), and steps on the fp32 path (a rank in hvd.join(), or GIFT warming up)."""
-        return self.telemetry.stats(self.step, self.plan.counts(self.bucket_of))
+        rank), steps on the fp32 path (a rank in hvd.join(), or GIFT warming up), and
+        residual_bytes: what this rank's error-feedback residuals hold."""
+        residuals = self.feedback.tensors() if self.feedback else []
+        return dict(self.telemetry.stats(self.step, self.plan.counts(self.bucket_of)),
+                    residual_bytes=sum(r.numel() * r.element_size() for r in residuals))
 
     # ---------------------------------------------------------------- checks and checkpoints
     def topology_description(self):
