@@ -76,6 +76,8 @@ REFRESH_EVERY = 4       # steps between whitening refreshes (core.GiftCore's doc
 STAT_WINDOW = 5         # steps in the statistics' EMA
 PARAM_FORMATS = (None, "fp8_e4m3")      # FSDP's parameter all-gather (fsdp/allgather.py)
 FSDP_TRANSFORMS = ("whiten", "none")
+# a pseudo-gradient is a sum of optimizer updates, not dY^T X: no input statistic describes it
+DILOCO_TRANSFORMS = ("hadamard", "none")
 
 
 @dataclass(frozen=True)
@@ -203,6 +205,29 @@ class GiftConfig:
                           ("hadamard_block", "FSDP takes no Hadamard rotation")):
             if getattr(self, what) != getattr(default, what):
                 raise ValueError(f"GIFT (FSDP): {what} does not apply: {why}")
+
+    @classmethod
+    def for_diloco(cls, **options):
+        """DiLoCo's defaults (integrations/torchft.py): INT3 with error feedback, and the
+        transform benchmarks/results/diloco.md measured best on pseudo-gradients."""
+        return cls(**dict(dict(format="int3", transform="hadamard"), **options))
+
+    def refuse_for_diloco(self):
+        """Raise, naming the option, where DiLoCo's outer all-reduce cannot honour it."""
+        default = GiftConfig()
+        if self.transform not in DILOCO_TRANSFORMS:
+            raise ValueError(f"GIFT (DiLoCo): transform must be one of {DILOCO_TRANSFORMS}, got "
+                             f"{self.transform!r}: a pseudo-gradient is a sum of optimizer "
+                             "updates, which the inputs' statistics do not whiten "
+                             "(benchmarks/results/diloco.md)")
+        for what, why in (("start_step", "every outer step is one GIFT reduction"),
+                          ("grad_scaler", "pseudo-gradients are differences of weights, not "
+                                          "scaled gradients"),
+                          ("node_size", "the replica group's process group (group=) is the node"),
+                          ("param_format", "DiLoCo all-gathers no parameters"),
+                          ("log_every", "torchft logs each sync")):
+            if getattr(self, what) != getattr(default, what):
+                raise ValueError(f"GIFT (DiLoCo): {what} does not apply: {why}")
 
     def refuse_param_format(self, frontend):
         if self.param_format is not None:

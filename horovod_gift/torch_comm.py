@@ -10,6 +10,8 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import (AllgatherOptions, AllreduceOptions, AllToAllOptions,
+                                                BroadcastOptions)
 
 from .reduce.communicator import Communicator, Handle
 from .reduce.topology import choose_topology
@@ -103,6 +105,42 @@ class TorchCommunicator(Communicator):
                               group=self.group, async_op=True)
         return _BroadcastHandle(work, placed, tensor) if home is not None else TorchHandle(
             work, tensor)
+
+
+class ProcessGroupCommunicator(Communicator):
+    """The Communicator of a ProcessGroup object called directly, for groups that
+    torch.distributed does not know by name (torchft's, reconfigured at each quorum). rank: this
+    process's rank in it (torchft's wrappers do not report it). Tensors stay where they are:
+    GIFT hands it the gradients' device tensors only."""
+
+    def __init__(self, pg, rank):
+        self.pg, self.rank, self.size = pg, rank, pg.size()
+
+    def alltoall_async(self, tensor, splits, name):
+        sizes = splits.tolist()
+        mine = sizes[self.rank]
+        received = torch.empty(mine * self.size, dtype=tensor.dtype, device=tensor.device)
+        work = self.pg.alltoall_base(received, tensor, [mine] * self.size, sizes,
+                                     AllToAllOptions())
+        counts = torch.full((self.size,), mine, dtype=torch.int32, device="cpu")
+        return _AlltoallHandle(work, received, counts, None, tensor)
+
+    def allgather_async(self, tensor, name):
+        sent = tensor.contiguous()
+        out = torch.empty((self.size * sent.shape[0], *sent.shape[1:]), dtype=sent.dtype,
+                          device=sent.device)
+        work = self.pg.allgather([list(out.chunk(self.size))], [sent], AllgatherOptions())
+        return TorchHandle(work, out, None, sent)
+
+    def allreduce_async(self, tensor, op, name):
+        out, opts = tensor.clone(), AllreduceOptions()
+        opts.reduceOp = TORCH_OPS[op]
+        return TorchHandle(self.pg.allreduce([out], opts), out)
+
+    def broadcast_async_(self, tensor, root, name):
+        opts = BroadcastOptions()
+        opts.rootRank = root
+        return TorchHandle(self.pg.broadcast([tensor], opts), tensor)
 
 
 class _AlltoallHandle(TorchHandle):

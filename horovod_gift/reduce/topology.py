@@ -110,9 +110,13 @@ class Flat:
     def owned_pieces(self, sizes, codec):
         return owned_pieces(self.description, sizes, self.comm.rank, self.comm.size, codec)
 
-    def reduction(self, name, flats, codec, residual1, residual2, average, step, maxima, key):
+    def reduction(self, name, flats, codec, residual1, residual2, average, step, maxima, key,
+                  divisor=None):
+        """The bucket's reduction (not started). divisor: what the sum is divided by, where it
+        is not the ranks of an average (torchft's participants, integrations/torchft.py)."""
         return BucketReduction(name, flats, codec, self.comm, residual1, residual2,
-                               average=average, step=step, maxima=maxima, key=key)
+                               average=average, step=step, maxima=maxima, key=key,
+                               divisor=divisor)
 
 
 class TwoHop(Flat):
@@ -129,9 +133,10 @@ class TwoHop(Flat):
     def describe(self):
         return f"two-hop: {self.cross.size} nodes x {self.node.size} ranks"
 
-    def reduction(self, name, flats, codec, residual1, residual2, average, step, maxima, key):
+    def reduction(self, name, flats, codec, residual1, residual2, average, step, maxima, key,
+                  divisor=None):
         if not takes_two_hops([f.numel() for f in flats], self.node.size, codec):
             return super().reduction(name, flats, codec, residual1, residual2, average, step,
-                                     maxima, key)
+                                     maxima, key, divisor)
         return TwoHopReduction(name, flats, codec, self.node, self.cross, residual1, residual2,
-                               average=average, step=step, key=key)
+                               average=average, step=step, key=key, divisor=divisor)

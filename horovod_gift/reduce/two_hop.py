@@ -81,10 +81,11 @@ class TwoHopReduction(Reduction):
     final_stage = 4
 
     def __init__(self, name, flats, codec, node, cross, residual1=None, residual2=None,
-                 average=True, step=0, key=0):
+                 average=True, step=0, key=0, divisor=None):
         self.name, self.flats, self.codec, self.node, self.cross = name, flats, codec, node, cross
         self.residual1_whole, self.residual2 = residual1, residual2
-        self.divisor = node.size * cross.size if average else 1
+        # as BucketReduction's: every rank of every node for an average, 1 for a sum
+        self.divisor = divisor or (node.size * cross.size if average else 1)
         self.step, self.key = step, key
         self.layout = TwoHopLayout.of(tuple(f.numel() for f in flats), node.size, cross.size,
                                       codec.align, codec)

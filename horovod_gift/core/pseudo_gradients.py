@@ -1,0 +1,175 @@
+"""DiLoCo's pseudo-gradients through GIFT's codec: one fragment's state, and one sync.
+
+A pseudo-gradient (the last global weights minus the local ones after H inner steps) is reduced
+as a gradient is (reduce/collective.py, or reduce/two_hop.py when the ranks of a replica group
+hold copies of it): transformed, quantized with the stage-1 residual, summed in fp32 by each
+chunk's owner, re-quantized with the stage-2 residual, gathered and decoded: the same bits on
+every replica. Tensors under min_elements travel in fp32 (reduce.collective.Fp32Reduction).
+What differs from a gradient's step:
+- the outer step can be discarded (torchft: a failed collective, should_commit() false): what a
+  sync writes into the residuals is kept only once its step commits (commit / rollback);
+- the sum is divided by the participants (a healing replica sends zeros), not the ranks;
+- the replicas, and this one's rank among them, change between syncs (quorums): before a sync
+  laid out otherwise, r2 (laid out by the old ranks) is folded into r1, which is per parameter.
+Memory: r1 a parameter's elements, r2 1/ranks of each bucket, in residual_dtype; during a sync,
+a copy of both (the rollback's).
+"""
+import math
+
+import torch
+
+from ..codec.rotation import HadamardRotation
+from ..codec.tensor_codec import Codec
+from ..reduce.collective import Fp32Reduction, fill_buckets, mix_seed
+from ..reduce.feedback import ErrorFeedback, fold_into
+from ..reduce.topology import owned_pieces
+
+
+class PseudoGradientState:
+    """GIFT's state for one set of tensors synchronized together (a DiLoCo fragment). tensors:
+    name -> a tensor of each pseudo-gradient's size, dtype and device (the fragment's local
+    parameters); config: a GiftConfig (transform "none" or "hadamard"); key: an integer that
+    sets this state's buckets apart in the stochastic rounding's seeds."""
+
+    def __init__(self, tensors, config, key=0):
+        self.config, self.key = config, key
+        self.codec = Codec(config.format, config.block_size, config.rounding, config.seed)
+        self.rotation = (HadamardRotation(config.hadamard_block, config.seed)
+                         if config.transform == "hadamard" else None)
+        sizes = {name: t.numel() for name, t in tensors.items()}
+        self.small = [n for n in tensors if sizes[n] < config.min_elements]
+        compressed = [n for n in tensors if sizes[n] >= config.min_elements]
+        self.buckets = fill_buckets(compressed, sizes, config.bucket_elements)
+        self.sizes = sizes
+        self.feedback = (ErrorFeedback(tensors, self.buckets, self.codec.align,
+                                       config.residual_dtype)
+                         if config.error_feedback else None)
+        # (topology description, rank, ranks, divisor) of the residuals' r2, once one is kept
+        self.layout = None
+        self._saved = None      # the residuals and layout before the sync in flight
+
+    def start(self, grads, topology, cross, participants, step, use_residuals=True):
+        """Start reducing grads (name -> pseudo-gradient, written over by finish()) over
+        topology (reduce.topology.Flat, or TwoHop whose nodes are replica groups); cross: the
+        communicator across replicas (the fp32 tensors'); participants: the replicas whose
+        pseudo-gradients are averaged (the others send zeros). use_residuals: False for a
+        replica that does not take part (zeros without its residuals). Returns the sync in
+        flight (PseudoGradientSync.finish)."""
+        feedback = self.feedback if use_residuals else None
+        # a two-hop reduction sums the L copies a replica group holds: its sum is L times over
+        divisor = participants * (topology.comm.size // cross.size)
+        layout = (topology.description, topology.comm.rank, topology.comm.size, divisor)
+        if feedback is not None:
+            self._saved = ({n: r.clone() for n, r in feedback.stage1.items()},
+                           {k: r.clone() for k, r in feedback.stage2.items()}, self.layout)
+            if self.layout is not None and self.layout != layout:
+                self._fold(self.layout)
+            self.layout = layout
+        return PseudoGradientSync(self, grads, topology, cross, divisor, participants, step,
+                                  feedback)
+
+    def _fold(self, layout):
+        """r2 into r1 (their sum's error is the same in every layout's r1), under the layout
+        that r2 was written in."""
+        description, rank, ranks, divisor = layout
+        for bucket, r2 in self.feedback.stage2.items():
+            names = self.buckets[bucket]
+            parts = owned_pieces(description, [self.sizes[n] for n in names], rank, ranks,
+                                 self.codec)
+            fold_into(self.feedback.first_stage(names), r2, parts, divisor)
+        self.feedback.stage2 = {}
+
+    def commit(self):
+        """The sync's step was taken: keep what it wrote into the residuals."""
+        self._saved = None
+
+    def rollback(self):
+        """The sync's step was discarded: the residuals as they were before it."""
+        if self._saved is not None:
+            self.feedback.stage1, self.feedback.stage2, self.layout = self._saved
+            self._saved = None
+
+    def reset(self):
+        """Residuals restart at zero."""
+        if self.feedback is not None:
+            self.feedback.reset()
+        self.layout, self._saved = None, None
+
+    def residual_bytes(self):
+        return sum(r.numel() * r.element_size() for r in self.feedback.tensors()) \
+            if self.feedback is not None else 0
+
+    def state_dict(self):
+        """This rank's residuals (host copies) and the layout their r2 was written in."""
+        feedback = (self.feedback.state_dict() if self.feedback is not None
+                    else ErrorFeedback.empty_state())
+        return dict(feedback, layout=self.layout)
+
+    def load_state_dict(self, state):
+        if self.feedback is None:
+            return
+        self.feedback.load_state_dict(state, lambda bucket: self._device(bucket))
+        self.layout = state["layout"]
+
+    def _device(self, bucket):
+        return self.feedback.params[self.buckets[bucket][0]].device
+
+
+class PseudoGradientSync:
+    """One sync in flight: made by PseudoGradientState.start, which has issued every bucket's
+    first collective (the alltoall); finish() drives the rest, in the same order on every rank."""
+
+    def __init__(self, state, grads, topology, cross, divisor, participants, step, feedback):
+        self.state, self.grads = state, grads
+        codec, config = state.codec, state.config
+        self.flats = {}
+        for names in state.buckets:
+            for name in names:
+                flat = grads[name].detach().reshape(-1).to(torch.float32)
+                self.flats[name] = (state.rotation.apply(flat) if state.rotation is not None
+                                    else flat.clone())
+        self.reductions = []
+        for k, names in enumerate(state.buckets):
+            residual1 = residual2 = None
+            flats = [self.flats[n] for n in names]
+            if feedback is not None:
+                residual1 = feedback.first_stage(names)
+                owned = topology.owned_pieces([f.numel() for f in flats], codec)
+                residual2 = feedback.second_stage(k, sum(hi - lo for _, lo, hi in owned),
+                                                  flats[0].device)
+            reduction = topology.reduction(f"gift.diloco.b{k}", flats, codec, residual1,
+                                           residual2, True, step, None,
+                                           mix_seed(state.key, k), divisor)
+            self.reductions.append(reduction.start())
+        self.small = None
+        if state.small:
+            flat = torch.cat([grads[n].detach().reshape(-1).to(torch.float32)
+                              for n in state.small])
+            self.small = Fp32Reduction("gift.diloco.fp32", flat, cross, participants).start()
+        self.bytes_sent = 0
+
+    def finish(self):
+        """Write the averages over grads; returns the names whose average is not finite (the
+        same on every rank: the averages are)."""
+        out = {}
+        for names, reduction in zip(self.state.buckets, self.reductions):
+            while reduction.stage < reduction.final_stage:
+                reduction.exchange()
+            for name, u in zip(names, reduction.finish(over_inputs=True)):
+                out[name] = u
+            self.bytes_sent += reduction.bytes_sent
+        for name, u in out.items():
+            g = self.grads[name]
+            if self.state.rotation is not None:
+                u = self.state.rotation.apply(u, inverse=True, out=u)
+            g.copy_(u.view(g.shape))
+        if self.small is not None:
+            flat, offset = self.small.finish(), 0
+            for name in self.state.small:
+                g = self.grads[name]
+                g.copy_(flat[offset : offset + g.numel()].view(g.shape))
+                offset += g.numel()
+        names = list(self.grads)
+        # one host sync for the verdict: a sum is non-finite where any element is
+        sums = torch.stack([self.grads[n].sum(dtype=torch.float32) for n in names]).tolist()
+        return [n for n, total in zip(names, sums) if not math.isfinite(total)]

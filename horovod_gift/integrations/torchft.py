@@ -1,0 +1,241 @@
+"""GIFT in torchft's DiLoCo: each fragment's pseudo-gradient all-reduce through GIFT's codec.
+
+    from horovod_gift.integrations.torchft import GiftDiLoCo
+    manager = Manager(pg=ProcessGroupGloo(), use_async_quorum=False, ...)
+    with GiftDiLoCo(manager, [model], inner_optimizer, outer_optimizer, sync_every=100,
+                    format="int3") as diloco:
+        for batch in data:          # the loop of torchft's DiLoCo, unchanged
+            loss = model(batch).backward(); inner_optimizer.step(); inner_optimizer.zero_grad()
+
+GiftDiLoCo is torchft.local_sgd.DiLoCo (its outer loop, fragments, quorum, recovery, commit)
+with one change: where a fragment's pseudo-gradients were all-reduced in fp32 (or FP8 without
+error feedback), they go through GIFT's reduction over the manager's process group: transformed,
+quantized with error feedback, summed in fp32 by each chunk's owner, divided by the
+participants, and the same bits on every replica. torchft's rules stay:
+- a collective that fails is reported to the manager (later ones are skipped), the fragment's
+  pseudo-gradients are zeroed, should_commit() fails everywhere and the outer step is discarded;
+  GIFT's residuals roll back with it (core/pseudo_gradients.py: they change only on a commit);
+- a replica that does not participate (healing) sends zeros, without its residuals;
+- a non-finite average (the same on every replica) discards the outer step the same way
+  (nonfinite="nan"), or raises on every replica (nonfinite="raise");
+- the manager's state goes to a healing replica through register_state_dict_fn: GIFT sends its
+  options only, and the healing replica restarts its residuals at zero (they are the error of
+  another replica's quantization, and would cross the slow link at 4 bytes a parameter);
+- a user's checkpoint keeps each rank's residuals (GiftDiLoCo.state_dict / load_state_dict);
+  when the replicas or this one's rank differ at the next sync, r2 is folded into r1.
+
+Two hops: when the ranks of a replica group hold the same parameters (DDP inside the group;
+`group=`: their process group, by default torch.distributed's default group), each rank sends
+1/L of the pseudo-gradient across replicas (reduce/two_hop.py, the replica group as the node).
+Under FSDP2 inside the group each rank's local shard is already 1/L: the reduction is flat.
+"""
+import logging
+
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+from torchft.local_sgd import DiLoCo
+
+from ..config import GiftConfig
+from ..core.pseudo_gradients import PseudoGradientState
+from ..reduce.topology import Flat, TwoHop
+from ..torch_comm import ProcessGroupCommunicator, TorchCommunicator
+from . import torchft_internals as internals
+
+logger = logging.getLogger("horovod_gift")
+
+# DiLoCo's options that GIFT's reduction replaces, and what to use instead
+REPLACED = {"should_quantize": "GIFT quantizes (format=)",
+            "use_bucketization": "GIFT buckets the pseudo-gradients (bucket_elements=)",
+            "bucket_cap_mb": "GIFT buckets the pseudo-gradients (bucket_elements=)"}
+# the options a healing replica must share with the replica it heals from
+SHARED_OPTIONS = ("format", "transform", "error_feedback", "block_size", "rounding", "seed",
+                  "bucket_elements", "min_elements", "hadamard_block", "topology")
+
+
+class GiftDiLoCo(DiLoCo):
+    """torchft's DiLoCo (same arguments) whose outer all-reduce is GIFT's. group: the process
+    group of the ranks inside a replica group that hold identical parameters (two hops; None:
+    the default group when one is initialized); config / options: GiftConfig's fields, with
+    DiLoCo's defaults (GiftConfig.for_diloco)."""
+
+    def __init__(self, manager, model_fragments, inner_optimizer, outer_optimizer, sync_every,
+                 *, group=None, config=None, **options):
+        diloco_options = {k: options.pop(k) for k in list(options)
+                          if k in ("backup_device", "pin_memory", "fragment_sync_delay",
+                                   "fragment_update_alpha", *REPLACED)}
+        for name, instead in REPLACED.items():
+            if diloco_options.get(name):
+                raise ValueError(f"GiftDiLoCo: {name}={diloco_options[name]!r} does not apply: "
+                                 f"{instead}")
+        self.config = GiftConfig.of(config, GiftConfig.for_diloco, options)
+        self.config.refuse_for_diloco()
+        super().__init__(manager, model_fragments, inner_optimizer, outer_optimizer,
+                         sync_every, **diloco_options)
+        node = self._node_communicator(group, model_fragments)
+        self.syncs = [FragmentSync(fragment, manager, self.config, node)
+                      for fragment in internals.fragments(self)]
+
+    def _node_communicator(self, group, model_fragments):
+        """The communicator of the replica group's ranks for two hops, or None (flat)."""
+        topology = self.config.topology
+        if topology == "flat":
+            return None
+        if group is None and dist.is_initialized():
+            group = dist.group.WORLD
+        ranks = dist.get_world_size(group) if group is not None else 1
+        sharded = [name for module in model_fragments for name, p in module.named_parameters()
+                   if isinstance(p, DTensor)
+                   and any(not isinstance(pl, Replicate) for pl in p.placements)]
+        why = ("the replica group has one rank" if ranks == 1 else
+               f"{sharded[0]} is sharded inside the replica group: each rank's shard is "
+               "already 1/L of it" if sharded else None)
+        if why is None:
+            return TorchCommunicator(group)
+        if topology == "two-hop":
+            raise ValueError(f"GiftDiLoCo: topology='two-hop' needs ranks that hold the same "
+                             f"parameters inside a replica group: {why}")
+        return None
+
+    def state_dict(self):
+        """This rank's GIFT state, to save beside the user's checkpoint (one file a rank)."""
+        return {"config": {k: getattr(self.config, k) for k in SHARED_OPTIONS},
+                "fragments": [sync.state.state_dict() for sync in self.syncs]}
+
+    def load_state_dict(self, state):
+        check_options(self.config, state["config"], "the checkpoint")
+        if len(state["fragments"]) != len(self.syncs):
+            raise ValueError(f"GiftDiLoCo: the checkpoint has {len(state['fragments'])} "
+                             f"fragments, this DiLoCo {len(self.syncs)}")
+        for sync, fragment_state in zip(self.syncs, state["fragments"]):
+            sync.state.load_state_dict(fragment_state)
+
+    def stats(self):
+        """Bytes sent by this rank in the last sync of each fragment, and residual bytes."""
+        return {"bytes_sent": [sync.bytes_sent for sync in self.syncs],
+                "residual_bytes": sum(sync.state.residual_bytes() for sync in self.syncs)}
+
+
+def check_options(config, options, where):
+    for name, value in options.items():
+        if getattr(config, name) != value:
+            raise ValueError(f"GiftDiLoCo: {name} is {getattr(config, name)!r} here and "
+                             f"{value!r} in {where}; pass the same on every replica")
+
+
+class RankNumbering:
+    """Every rank of every replica group numbered as one (replica r, group rank l: r * L + l),
+    as a two-hop topology names ranks; no process group spans them."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+
+class FragmentSync:
+    """One fragment's outer all-reduce through GIFT: the pseudo-gradients' state, torchft's
+    _average_grads replaced, its perform_sync followed by a commit or a rollback."""
+
+    def __init__(self, fragment, manager, config, node):
+        self.fragment, self.manager, self.config, self.node = fragment, manager, config, node
+        self.index = internals.fragment_id(fragment)
+        tensors = {name: p.to_local() if isinstance(p, DTensor) else p
+                   for name, p in internals.fragment_module(fragment).named_parameters()}
+        self.state = PseudoGradientState(tensors, config, key=self.index)
+        self.bytes_sent = 0
+        internals.replace_average(fragment, self.average)
+        internals.wrap_perform_sync(fragment, self.settle)
+        manager.register_state_dict_fn(f"GiftDiLoCo_{self.index}", self.load_from_peer,
+                                       self.options)
+
+    def options(self):
+        return {k: getattr(self.config, k) for k in SHARED_OPTIONS}
+
+    def load_from_peer(self, options):
+        """A healing replica: the peer's options must be ours; residuals restart at zero."""
+        check_options(self.config, options, "the replica this one heals from")
+        self.state.reset()
+        logger.info("GIFT: fragment %d heals from a peer: its residuals restart at zero",
+                    self.index)
+
+    def _topology(self, cross):
+        if self.node is None:
+            return Flat(cross)
+        ranks = RankNumbering(cross.rank * self.node.size + self.node.rank,
+                              cross.size * self.node.size)
+        return TwoHop(ranks, self.node, cross)
+
+    def average(self):
+        """prepare_sync()'s all-reduce: the first collectives of GIFT's reduction, and a work
+        whose wait() drives the rest."""
+        grads = internals.pseudo_gradients(self.fragment)
+        works = internals.pending_works(self.fragment)
+        if self.manager.errored():     # torchft skips every collective after an error
+            works.append(_Done())
+            return
+        try:
+            self.manager.wait_quorum()
+            participants = self.manager.num_participants()
+            participating = self.manager.is_participating()
+            if not participating:
+                for g in grads.values():
+                    g.zero_()
+            pg = internals.process_group(self.manager)
+            cross = ProcessGroupCommunicator(pg, internals.process_group_rank(pg))
+            topology = self._topology(cross)
+            sync = self.state.start(grads, topology, cross, participants,
+                                    step=self.manager.current_step(),
+                                    use_residuals=participating)
+        except Exception as error:      # torchft's rule: report, zero, go on
+            self._fail(error, grads)
+            works.append(_Done())
+            return
+        works.append(_GiftWork(self, sync, grads))
+
+    def _fail(self, error, grads):
+        logger.exception("GIFT: fragment %d's all-reduce failed; the outer step is discarded",
+                         self.index)
+        self.manager.report_error(error)
+        for g in grads.values():
+            g.zero_()
+
+    def finish(self, sync, grads):
+        try:
+            bad = sync.finish()
+        except Exception as error:
+            self._fail(error, grads)
+            return
+        self.bytes_sent = sync.bytes_sent
+        if bad:
+            message = (f"GIFT: the averaged pseudo-gradient of fragment {self.index} is not "
+                       f"finite in {', '.join(bad[:3])}" + (" ..." if len(bad) > 3 else ""))
+            if self.config.nonfinite == "raise":
+                raise FloatingPointError(message)
+            self._fail(FloatingPointError(message + "; the outer step is discarded"), grads)
+
+    def settle(self, committed):
+        """After should_commit(): keep the residuals the sync wrote, or undo them."""
+        if committed:
+            self.state.commit()
+        else:
+            self.state.rollback()
+
+
+class _GiftWork:
+    """What perform_sync() waits for: the rest of GIFT's reduction."""
+
+    def __init__(self, owner, sync, grads):
+        self.owner, self.sync, self.grads = owner, sync, grads
+        self.done = False
+
+    def wait(self, timeout=None):
+        if not self.done:
+            self.done = True
+            self.owner.finish(self.sync, self.grads)
+        return True
+
+
+class _Done:
+    def wait(self, timeout=None):
+        return True
+
+
+__all__ = ["GiftDiLoCo"]

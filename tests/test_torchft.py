@@ -1,0 +1,91 @@
+"""GiftDiLoCo (integrations/torchft.py) over a real torchft Lighthouse, Managers and gloo process
+groups, replicas as threads (tests/torchft_replicas.py): the same global weights on every
+replica, close to torchft's own DiLoCo, fewer bytes, a failed collective that discards the step
+on every replica and no hang, and DiLoCo's options honoured or refused by name."""
+import inspect
+import logging
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("torchft")
+
+from torchft.local_sgd import DiLoCo  # noqa: E402
+from torchft.manager import Manager  # noqa: E402
+from torchft.process_group import ProcessGroupGloo  # noqa: E402
+
+from horovod_gift.integrations import torchft_internals as internals  # noqa: E402
+from horovod_gift.integrations.torchft import GiftDiLoCo  # noqa: E402
+from torchft_replicas import make_model, run_replicas  # noqa: E402
+
+
+def distance(a, b):
+    """The largest relative distance over the weight matrices (a one-element bias that is near
+    zero says little)."""
+    return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in a if k.endswith("weight"))
+
+
+def test_replicas_agree_bit_for_bit_and_follow_torchfts_diloco():
+    gift = run_replicas(steps=16, gift=dict(format="int3"), fragments=2)
+    plain = run_replicas(steps=16, fragments=2)
+    (w0, engine), (w1, _) = gift
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert distance(w0, plain[0][0]) < 0.1, distance(w0, plain[0][0])
+    # error feedback is what keeps INT3 near fp32's outer steps
+    without = run_replicas(steps=16, gift=dict(format="int3", error_feedback=False), fragments=2)
+    assert distance(w0, plain[0][0]) < 0.6 * distance(without[0][0], plain[0][0])
+    # INT3 against fp32: a tenth of the bytes of the weights' all-reduce, each fragment
+    sent, elements = engine.stats()["bytes_sent"], [64 * 64 + 64, 64 * 64 + 64 + 65]
+    assert all(b < 0.15 * 2 * 4 * m / 2 for b, m in zip(sent, elements)), sent
+
+
+def test_a_failed_collective_discards_the_step_on_every_replica_and_training_goes_on(caplog):
+    caplog.set_level(logging.INFO, logger="horovod_gift")
+    results = run_replicas(steps=16, gift=dict(format="int3"), fragments=2, fail_at={1: (2,)})
+    (w0, e0), (w1, e1) = results
+    assert "the outer step is discarded" in caplog.text
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    healthy = run_replicas(steps=16, gift=dict(format="int3"), fragments=2)
+    # one outer step fewer than a healthy run, but not lost: close to it, not equal
+    assert 0 < distance(w0, healthy[0][0]) < 0.5
+
+
+@pytest.mark.parametrize("option, value, words", [
+    ("should_quantize", True, "GIFT quantizes"),
+    ("use_bucketization", True, "bucket_elements"),
+    ("transform", "whiten", "transform must be one of"),
+    ("start_step", 3, "start_step does not apply"),
+    ("topology", "two-hop", "the replica group has one rank"),
+])
+def test_options_that_do_not_apply_are_refused_by_name(option, value, words):
+    model = make_model()
+    inner = torch.optim.AdamW(model.parameters())
+    outer = torch.optim.SGD(model.parameters(), lr=0.7)
+    manager = mock.create_autospec(Manager, instance=True)
+    manager._use_async_quorum = False
+    with pytest.raises(ValueError, match=words):
+        GiftDiLoCo(manager, [model], inner, outer, 4, **{option: value})
+
+
+def test_the_private_torchft_attributes_gift_reads():
+    """Fails when torchft changes what torchft_internals.py relies on."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    inner = torch.optim.AdamW(model.parameters())
+    manager = mock.create_autospec(Manager, instance=True)
+    manager._use_async_quorum = False
+    diloco = DiLoCo(manager, [model], inner, torch.optim.SGD(model.parameters(), lr=0.7), 4)
+    fragment = internals.fragments(diloco)[0]
+    for name in internals.FRAGMENT_ATTRIBUTES:
+        assert hasattr(fragment, name), name
+    assert internals.fragment_module(fragment) is model and internals.fragment_id(fragment) == 0
+    assert isinstance(internals.pseudo_gradients(fragment), dict)
+    assert isinstance(internals.pending_works(fragment), list)
+    # prepare_sync calls _average_grads after _save_grads; perform_sync returns should_commit
+    prepare = inspect.getsource(type(fragment).prepare_sync)
+    assert prepare.index("_save_grads") < prepare.index("_average_grads()")
+    perform = inspect.getsource(type(fragment).perform_sync)
+    assert "return should_commit" in perform and "work.wait()" in perform
+    assert "self._pg = pg" in inspect.getsource(Manager.__init__)
+    assert hasattr(ProcessGroupGloo, "parent")
