@@ -164,6 +164,8 @@ class PseudoGradientSync:
                 u = self.state.rotation.apply(u, inverse=True, out=u)
             g.copy_(u.view(g.shape))
         if self.small is not None:
+            n, chunk = self.small.comm.size, self.small.chunk
+            self.bytes_sent += 2 * (n - 1) * chunk * 4     # its alltoall's and allgather's
             flat, offset = self.small.finish(), 0
             for name in self.state.small:
                 g = self.grads[name]
