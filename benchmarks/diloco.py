@@ -16,6 +16,7 @@ held-out loss and bytes of each arm against torchft's fp32 DiLoCo.
 """
 import argparse
 import pathlib
+import shlex
 import sys
 import threading
 import time
@@ -163,7 +164,7 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(1)
     corpus = read_corpus()
-    command = "`.venv/bin/python benchmarks/diloco.py " + " ".join(sys.argv[1:]) + "`"
+    command = "`.venv/bin/python benchmarks/diloco.py " + shlex.join(sys.argv[1:]) + "`"
     lines = [f"# DiLoCo with GIFT's outer all-reduce ({time.strftime('%Y-%m-%d')})", "",
              f"Command: {command}", "",
              f"Example Llama dim {args.dim}, {args.layers} layers, inner AdamW lr {args.lr}, "
