@@ -29,27 +29,51 @@ def distance(a, b):
 
 def test_replicas_agree_bit_for_bit_and_follow_torchfts_diloco():
     gift = run_replicas(steps=16, gift=dict(format="int3"), fragments=2)
-    plain = run_replicas(steps=16, fragments=2)
-    (w0, engine), (w1, _) = gift
+    plain = run_replicas(steps=16, fragments=2)[0].weights
+    w0, w1 = gift[0].weights, gift[1].weights
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
-    assert distance(w0, plain[0][0]) < 0.1, distance(w0, plain[0][0])
+    assert distance(w0, plain) < 0.1, distance(w0, plain)
     # error feedback is what keeps INT3 near fp32's outer steps
     without = run_replicas(steps=16, gift=dict(format="int3", error_feedback=False), fragments=2)
-    assert distance(w0, plain[0][0]) < 0.6 * distance(without[0][0], plain[0][0])
+    assert distance(w0, plain) < 0.6 * distance(without[0].weights, plain)
     # INT3 against fp32: a tenth of the bytes of the weights' all-reduce, each fragment
-    sent, elements = engine.stats()["bytes_sent"], [64 * 64 + 64, 64 * 64 + 64 + 65]
+    sent, elements = gift[0].engine.stats()["bytes_sent"], [64 * 64 + 64, 64 * 64 + 64 + 65]
     assert all(b < 0.15 * 2 * 4 * m / 2 for b, m in zip(sent, elements)), sent
 
 
 def test_a_failed_collective_discards_the_step_on_every_replica_and_training_goes_on(caplog):
     caplog.set_level(logging.INFO, logger="horovod_gift")
     results = run_replicas(steps=16, gift=dict(format="int3"), fragments=2, fail_at={1: (2,)})
-    (w0, e0), (w1, e1) = results
+    w0, w1 = results[0].weights, results[1].weights
     assert "the outer step is discarded" in caplog.text
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     healthy = run_replicas(steps=16, gift=dict(format="int3"), fragments=2)
     # one outer step fewer than a healthy run, but not lost: close to it, not equal
-    assert 0 < distance(w0, healthy[0][0]) < 0.5
+    assert 0 < distance(w0, healthy[0].weights) < 0.5
+
+
+def test_a_resumed_run_ends_with_the_bits_of_an_uninterrupted_one():
+    """Train 8, save every replica's state (GIFT's residuals included), resume to 16."""
+    gift = dict(format="int3")
+    whole = run_replicas(steps=16, gift=gift, fragments=2, save_at=8)
+    resumed = run_replicas(steps=16, gift=gift, fragments=2,
+                           resume=[replica.saved for replica in whole])
+    for a, b in zip(whole, resumed):
+        assert all(torch.equal(a.weights[k], b.weights[k]) for k in a.weights)
+    # the residuals matter: resumed without them, the bits differ
+    cleared = [dict(r.saved, gift=dict(r.saved["gift"], fragments=[
+        dict(f, residual1={}, residual2={}) for f in r.saved["gift"]["fragments"]]))
+        for r in whole]
+    fresh = run_replicas(steps=16, gift=gift, fragments=2, resume=cleared)
+    assert not all(torch.equal(whole[0].weights[k], fresh[0].weights[k])
+                   for k in whole[0].weights)
+
+
+def test_replicas_configured_differently_raise_on_every_replica():
+    results = run_replicas(steps=8, gift=[dict(format="int3"), dict(format="nvfp4")])
+    for replica in results:
+        assert isinstance(replica.error, ValueError), replica.error
+        assert "format differs across replicas" in str(replica.error)
 
 
 @pytest.mark.parametrize("option, value, words", [

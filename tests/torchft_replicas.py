@@ -1,6 +1,7 @@
 """Replica groups of one rank each, as threads of this process, over a real torchft Lighthouse,
 Managers and gloo process groups (torchft's own integration tests run the same way)."""
 import contextlib
+import copy
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -45,12 +46,20 @@ def batch(replica, step):
     return x, x[:, :4].sum(1, keepdim=True).sin()
 
 
-def train_replica(replica, lighthouse, initial, steps, sync_every, gift, fragments, fail_at,
-                  barrier, log):
-    """One replica group's training; returns its global weights and GiftDiLoCo (or None).
-    fail_at: manager steps at which this replica's next alltoall fails."""
+class Replica:
+    """What one replica group's training left: its global weights (each fragment's DiLoCo
+    backup: what every replica agrees on), its GiftDiLoCo (or None), the state saved at
+    save_at, or the error it raised."""
+
+    weights = engine = saved = error = None
+
+
+def train_replica(replica, lighthouse, initial, run, barrier):
+    """One replica group's training (run: run_replicas' arguments for this replica)."""
+    out = Replica()
     model = make_model()
-    model.load_state_dict(initial)
+    start = run["resume"]
+    model.load_state_dict(start["model"] if start else initial)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     pg = FaultyGloo(timeout=timedelta(seconds=5))
     store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
@@ -62,16 +71,27 @@ def train_replica(replica, lighthouse, initial, steps, sync_every, gift, fragmen
         replica_id=str(replica), store_addr="localhost", store_port=store.port, rank=0,
         world_size=1, lighthouse_addr=lighthouse.address(), port=0,
         timeout=timedelta(seconds=20), use_async_quorum=False)
+    fragments, sync_every, gift = run["fragments"], run["sync_every"], run["gift"]
     parts = [model[:2], model[2:]] if fragments == 2 else [model]
     # DiLoCo's outer step (lr 0.7, Nesterov 0.9), one optimizer a fragment as torchft asks
     outer = [torch.optim.SGD(part.parameters(), lr=0.7, momentum=0.9, nesterov=True)
              for part in parts]
     engine = (GiftDiLoCo(manager, parts, inner, outer, sync_every, **gift) if gift is not None
               else DiLoCo(manager, parts, inner, outer, sync_every))
+    if start:
+        inner.load_state_dict(start["inner"])
+        for optimizer, state in zip(outer, start["outer"]):
+            optimizer.load_state_dict(state)
+        manager.load_state_dict(start["manager"])
+        for key, state in start["fragments"].items():
+            manager._load_state_dict_fns[key](state)
+        if gift is not None:
+            engine.load_state_dict(start["gift"])
+    fail_at = set(run["fail_at"])
     try:
         barrier.wait()
         with engine:
-            for step in range(steps):
+            for step in range(start["step"] if start else 0, run["steps"]):
                 x, y = batch(replica, step)
                 inner.zero_grad()
                 nn.functional.mse_loss(model(x), y).backward()
@@ -81,25 +101,44 @@ def train_replica(replica, lighthouse, initial, steps, sync_every, gift, fragmen
                     fail_at.discard(manager.current_step())    # once: a failed step repeats
                     pg.fail = True
                 inner.step()
-                log.append((replica, step, manager.current_step()))
+                if step + 1 == run["save_at"]:
+                    out.saved = copy.deepcopy({
+                        "step": step + 1, "model": model.state_dict(),
+                        "inner": inner.state_dict(), "outer": [o.state_dict() for o in outer],
+                        "manager": manager.state_dict(),
+                        # each fragment's global weights and outer optimizer (a fragment synced
+                        # inner steps ago holds local weights that are not its global ones):
+                        # torchft's own state functions, as a healing replica gets them
+                        "fragments": {k: v for k, v in
+                                      manager._manager_state_dict()["user"].items()
+                                      if k.startswith("StreamingDiLoCoFragment")},
+                        "gift": engine.state_dict() if gift is not None else None})
+    except Exception as error:     # the tests look at every replica's error
+        out.error = error
     finally:
         manager.shutdown(wait=False)
-    # the global weights of each fragment (DiLoCo's backup): what every replica agrees on
-    global_weights = {f"{k}.{n}": t.clone() for k, fragment in enumerate(engine._fragments)
-                      for n, t in fragment.original_parameters.items()}
-    return global_weights, (engine if gift is not None else None)
+    out.weights = {f"{k}.{n}": t.clone() for k, fragment in enumerate(engine._fragments)
+                   for n, t in fragment.original_parameters.items()}
+    out.engine = engine if gift is not None else None
+    return out
 
 
-def run_replicas(n=2, steps=12, sync_every=4, gift=None, fragments=1, fail_at=None):
-    """Every replica's (global weights, GiftDiLoCo) after `steps` inner steps, in replica order."""
+def run_replicas(n=2, steps=12, sync_every=4, gift=None, fragments=1, fail_at=None,
+                 save_at=None, resume=None):
+    """Every replica's Replica after `steps` inner steps, in replica order. gift: GiftDiLoCo's
+    options (None: torchft's DiLoCo), or a list of them, one a replica; fail_at: replica ->
+    manager steps at which its next alltoall fails; save_at: the inner step after which each
+    replica saves its state (Replica.saved); resume: each replica's saved state to start from."""
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=n)
-    barrier, log = threading.Barrier(n), []
+    barrier = threading.Barrier(n)
     initial = make_model().state_dict()
-    fail_at = fail_at or {}
+    gifts = gift if isinstance(gift, list) else [gift] * n
+    runs = [dict(steps=steps, sync_every=sync_every, gift=gifts[r], fragments=fragments,
+                 fail_at=(fail_at or {}).get(r, ()), save_at=save_at,
+                 resume=resume[r] if resume else None) for r in range(n)]
     with contextlib.ExitStack() as stack:
         stack.callback(lighthouse.shutdown)
         with ThreadPoolExecutor(max_workers=n) as pool:
-            futures = [pool.submit(train_replica, r, lighthouse, initial, steps, sync_every, gift,
-                                   fragments, set(fail_at.get(r, ())), barrier, log)
+            futures = [pool.submit(train_replica, r, lighthouse, initial, runs[r], barrier)
                        for r in range(n)]
             return [f.result(timeout=300) for f in futures]

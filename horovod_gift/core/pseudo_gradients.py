@@ -147,6 +147,9 @@ class PseudoGradientSync:
                               for n in state.small])
             self.small = Fp32Reduction("gift.diloco.fp32", flat, cross, participants).start()
         self.bytes_sent = 0
+        # of those, what the quantized reductions sent across replicas (a two-hop reduction's
+        # other bytes stay inside the replica group)
+        self.cross_bytes = 0
 
     def finish(self):
         """Write the averages over grads; returns the names whose average is not finite (the
@@ -158,6 +161,7 @@ class PseudoGradientSync:
             for name, u in zip(names, reduction.finish(over_inputs=True)):
                 out[name] = u
             self.bytes_sent += reduction.bytes_sent
+            self.cross_bytes += reduction.bytes_sent - getattr(reduction, "node_bytes_sent", 0)
         for name, u in out.items():
             g = self.grads[name]
             if self.state.rotation is not None:

@@ -30,7 +30,9 @@ Two hops: when the ranks of a replica group hold the same parameters (DDP inside
 Under FSDP2 inside the group each rank's local shard is already 1/L: the reduction is flat.
 """
 import logging
+import zlib
 
+import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torchft.local_sgd import DiLoCo
@@ -140,7 +142,9 @@ class FragmentSync:
         tensors = {name: p.to_local() if isinstance(p, DTensor) else p
                    for name, p in internals.fragment_module(fragment).named_parameters()}
         self.state = PseudoGradientState(tensors, config, key=self.index)
-        self.bytes_sent = 0
+        # the last sync's: bytes this rank sent, those of them across replicas (quantized), and
+        # its topology in words
+        self.bytes_sent, self.cross_bytes, self.described = 0, 0, None
         internals.replace_average(fragment, self.average)
         internals.wrap_perform_sync(fragment, self.settle)
         manager.register_state_dict_fn(f"GiftDiLoCo_{self.index}", self.load_from_peer,
@@ -150,8 +154,9 @@ class FragmentSync:
         return {k: getattr(self.config, k) for k in SHARED_OPTIONS}
 
     def load_from_peer(self, options):
-        """A healing replica: the peer's options must be ours; residuals restart at zero."""
-        check_options(self.config, options, "the replica this one heals from")
+        """A healing replica: residuals restart at zero. Options that differ from the peer's are
+        not refused here (only this replica would raise, its peers would wait for it): the next
+        sync's agreement check raises on every replica."""
         self.state.reset()
         logger.info("GIFT: fragment %d heals from a peer: its residuals restart at zero",
                     self.index)
@@ -173,22 +178,49 @@ class FragmentSync:
             return
         try:
             self.manager.wait_quorum()
+            pg = internals.process_group(self.manager)
+            cross = ProcessGroupCommunicator(pg, internals.process_group_rank(pg))
+            fingerprints = self._fingerprints(cross, next(iter(grads.values())).device)
+        except Exception as error:      # torchft's rule: report, zero, go on
+            self._fail(error, grads)
+            works.append(_Done())
+            return
+        self._check_agreement(fingerprints)     # a misconfiguration raises on every replica
+        try:
             participants = self.manager.num_participants()
             participating = self.manager.is_participating()
             if not participating:
                 for g in grads.values():
                     g.zero_()
-            pg = internals.process_group(self.manager)
-            cross = ProcessGroupCommunicator(pg, internals.process_group_rank(pg))
             topology = self._topology(cross)
+            self.described = topology.describe()
             sync = self.state.start(grads, topology, cross, participants,
                                     step=self.manager.current_step(),
                                     use_residuals=participating)
-        except Exception as error:      # torchft's rule: report, zero, go on
+        except Exception as error:
             self._fail(error, grads)
             works.append(_Done())
             return
         works.append(_GiftWork(self, sync, grads))
+
+    def _fingerprints(self, cross, device):
+        """Every replica's fingerprint of its options and pseudo-gradients' sizes (one small
+        allgather a sync): replicas that differ would exchange bytes that do not line up, and
+        hang or mix them."""
+        sizes = tuple(self.state.sizes.items())
+        values = [getattr(self.config, k) for k in SHARED_OPTIONS] + [sizes]
+        mine = torch.tensor([zlib.crc32(repr(v).encode()) for v in values], dtype=torch.int64,
+                            device=device)
+        return cross.allgather_async(mine, "gift.diloco.agree").wait().view(cross.size, -1)
+
+    def _check_agreement(self, fingerprints):
+        differ = (fingerprints != fingerprints[0]).any(0).tolist()
+        names = [k for k, bad in zip((*SHARED_OPTIONS, "the parameters' names and sizes"), differ)
+                 if bad]
+        if names:
+            verb = "differs" if len(names) == 1 else "differ"
+            raise ValueError(f"GiftDiLoCo: fragment {self.index}: {', '.join(names)} {verb} "
+                             f"across replicas; pass the same on every replica")
 
     def _fail(self, error, grads):
         logger.exception("GIFT: fragment %d's all-reduce failed; the outer step is discarded",
@@ -203,7 +235,7 @@ class FragmentSync:
         except Exception as error:
             self._fail(error, grads)
             return
-        self.bytes_sent = sync.bytes_sent
+        self.bytes_sent, self.cross_bytes = sync.bytes_sent, sync.cross_bytes
         if bad:
             message = (f"GIFT: the averaged pseudo-gradient of fragment {self.index} is not "
                        f"finite in {', '.join(bad[:3])}" + (" ..." if len(bad) > 3 else ""))

@@ -1,0 +1,75 @@
+"""GiftDiLoCo (integrations/torchft.py) with DDP inside each replica group: the torchrun job's
+ranks are split into 2 replica groups (each its own DDP process group, its own torchft Manager
+and TCPStore), over one torchft Lighthouse. On 4 ranks (2 x 2) GIFT takes two hops, the replica
+group as the node; on 2 ranks (2 x 1) the flat reduction."""
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+pytest.importorskip("torchft")
+
+from torch.distributed import TCPStore  # noqa: E402
+from torchft._torchft import LighthouseServer  # noqa: E402
+from torchft.manager import Manager  # noqa: E402
+from torchft.process_group import ProcessGroupGloo  # noqa: E402
+
+from helpers import Net, assert_identical_on_all_ranks, loss_of  # noqa: E402
+from horovod_gift.integrations.torchft import GiftDiLoCo  # noqa: E402
+
+TIMEOUT = datetime.timedelta(seconds=30)
+
+
+def test_replica_groups_of_ddp_ranks_agree_and_send_their_share_across_replicas():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    per_group = world // 2
+    replica, local = divmod(rank, per_group)
+    # every rank makes every group, in the same order (torch.distributed's rule)
+    groups = [dist.new_group(list(range(k * per_group, (k + 1) * per_group)))
+              for k in range(2)]
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2) if rank == 0 else None
+    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False) if local == 0 \
+        else None
+    shared = [None] * world
+    dist.all_gather_object(shared, (lighthouse.address() if lighthouse else None,
+                                    store.port if store else None))
+    torch.manual_seed(0)
+    model = DDP(Net(), process_group=groups[replica])
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    manager = Manager(pg=ProcessGroupGloo(timeout=TIMEOUT), min_replica_size=2,
+                      load_state_dict=model.load_state_dict, state_dict=model.state_dict,
+                      replica_id=str(replica), store_addr="localhost",
+                      store_port=shared[replica * per_group][1], rank=local,
+                      world_size=per_group, lighthouse_addr=shared[0][0], port=0,
+                      timeout=TIMEOUT, use_async_quorum=False, init_sync=False)
+    try:
+        diloco = GiftDiLoCo(manager, [model], inner, outer, sync_every=4,
+                            group=groups[replica], format="int3", verbose=False)
+        losses = []
+        with diloco:
+            for step in range(12):
+                inner.zero_grad()
+                loss = loss_of(model, step, rank)
+                loss.backward()
+                inner.step()
+                losses.append(loss.item())
+        weights = list(diloco._fragments[0].original_parameters.values())
+        sync = diloco.syncs[0]
+    finally:
+        dist.barrier()          # every rank done with the Lighthouse and the stores
+        manager.shutdown(wait=False)
+        if lighthouse is not None:
+            lighthouse.shutdown()
+    assert_identical_on_all_ranks(weights, "the global weights")
+    assert losses[-1] < losses[0], losses
+    expected = (f"two-hop: 2 nodes x {per_group} ranks" if per_group > 1 else "flat")
+    assert sync.described == expected
+    if per_group > 1:
+        # each rank sends 1/L of the quantized pseudo-gradient across replicas, where the flat
+        # reduction sends all of it (2 (n - 1) / n = 1 of it on 2 replicas, at 3.29 bits)
+        quantized = sum(p.numel() for p in model.parameters() if p.numel() >= 1024)
+        assert sync.cross_bytes < 1.1 * quantized * 3.29 / 8 / per_group, (sync.cross_bytes,
+                                                                             quantized)
