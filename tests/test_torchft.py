@@ -69,6 +69,18 @@ def test_a_resumed_run_ends_with_the_bits_of_an_uninterrupted_one():
                    for k in whole[0].weights)
 
 
+def test_a_replica_that_dies_and_rejoins_heals_and_the_replicas_agree_again(caplog):
+    """Replica 1 stops after 6 inner steps; a new replica 1 joins from the initial weights,
+    heals from replica 0 (its residuals restart at zero) and both train to 6 outer steps."""
+    caplog.set_level(logging.INFO, logger="horovod_gift")
+    results = run_replicas(steps=40, gift=dict(format="int3"), until=6, rejoin=(1, 6))
+    survivor, rejoined = results[0], results[2]
+    assert survivor.error is None and rejoined.error is None, (survivor.error, rejoined.error)
+    assert "heals from a peer: its residuals restart at zero" in caplog.text
+    assert all(torch.equal(survivor.weights[k], rejoined.weights[k]) for k in survivor.weights)
+    assert survivor.engine.syncs[0].state.layout is not None
+
+
 def test_replicas_configured_differently_raise_on_every_replica():
     results = run_replicas(steps=8, gift=[dict(format="int3"), dict(format="nvfp4")])
     for replica in results:

@@ -89,9 +89,12 @@ def train_replica(replica, lighthouse, initial, run, barrier):
             engine.load_state_dict(start["gift"])
     fail_at = set(run["fail_at"])
     try:
-        barrier.wait()
+        if barrier is not None:
+            barrier.wait()
         with engine:
             for step in range(start["step"] if start else 0, run["steps"]):
+                if run["until"] is not None and manager.current_step() >= run["until"]:
+                    break
                 x, y = batch(replica, step)
                 inner.zero_grad()
                 nn.functional.mse_loss(model(x), y).backward()
@@ -124,21 +127,34 @@ def train_replica(replica, lighthouse, initial, run, barrier):
 
 
 def run_replicas(n=2, steps=12, sync_every=4, gift=None, fragments=1, fail_at=None,
-                 save_at=None, resume=None):
+                 save_at=None, resume=None, until=None, rejoin=None):
     """Every replica's Replica after `steps` inner steps, in replica order. gift: GiftDiLoCo's
     options (None: torchft's DiLoCo), or a list of them, one a replica; fail_at: replica ->
     manager steps at which its next alltoall fails; save_at: the inner step after which each
-    replica saves its state (Replica.saved); resume: each replica's saved state to start from."""
+    replica saves its state (Replica.saved); resume: each replica's saved state to start from;
+    until: every replica stops once its manager has committed this many outer steps; rejoin:
+    (replica, inner steps): that replica stops (its process group and manager shut down) after
+    so many steps and a new one with its id joins, from the initial weights, and heals.
+    Returns the replicas' Replica, the rejoined one last."""
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=n)
     barrier = threading.Barrier(n)
     initial = make_model().state_dict()
     gifts = gift if isinstance(gift, list) else [gift] * n
     runs = [dict(steps=steps, sync_every=sync_every, gift=gifts[r], fragments=fragments,
-                 fail_at=(fail_at or {}).get(r, ()), save_at=save_at,
+                 fail_at=(fail_at or {}).get(r, ()), save_at=save_at, until=until,
                  resume=resume[r] if resume else None) for r in range(n)]
+    if rejoin is not None:
+        runs[rejoin[0]] = dict(runs[rejoin[0]], steps=rejoin[1])
     with contextlib.ExitStack() as stack:
         stack.callback(lighthouse.shutdown)
-        with ThreadPoolExecutor(max_workers=n) as pool:
+        with ThreadPoolExecutor(max_workers=n + 1) as pool:
             futures = [pool.submit(train_replica, r, lighthouse, initial, runs[r], barrier)
                        for r in range(n)]
+            if rejoin is not None:
+                left = futures[rejoin[0]].result(timeout=300)
+                rejoined = dict(runs[rejoin[0]], steps=10 * steps)
+                futures.append(pool.submit(train_replica, rejoin[0], lighthouse, initial,
+                                           rejoined, None))
+                futures[rejoin[0]] = None
+                return [left if f is None else f.result(timeout=300) for f in futures]
             return [f.result(timeout=300) for f in futures]
