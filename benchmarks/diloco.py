@@ -194,19 +194,26 @@ def main():
               "Bytes: what one replica sends a sync (GIFT: measured; fp32: a ring all-reduce's "
               "2 (n-1)/n x 4 B a parameter); bits a parameter an inner step: bytes x 8 / "
               f"parameters / H ({params} parameters).", "",
-              "| arm | held-out loss | vs fp32 DiLoCo (95 % CI) | bytes a sync | "
-              "bits/param/inner step | s a run |", "|---|---|---|---|---|---|"]
+              "| arm | held-out loss | vs fp32 DiLoCo (95 % CI) | vs fp32 DiLoCo % | "
+              "bytes a sync | bits/param/inner step | bytes vs DDP fp32 a step | s a run |",
+              "|---|---|---|---|---|---|---|---|"]
     base = finals.get("fp32 DiLoCo")
     for arm in args.arms:
         mean = sum(finals[arm]) / len(finals[arm])
         if base is None or arm == "fp32 DiLoCo":
-            diff = "-"
+            diff = percent = "-"
         else:
             m, h = interval([a - b for a, b in zip(finals[arm], base)])
             diff = f"{m:+.4f} ({m - h:+.4f} .. {m + h:+.4f})"
+            b = sum(base) / len(base)
+            percent = f"{100 * m / b:+.2f} ({100 * (m - h) / b:+.2f} .. {100 * (m + h) / b:+.2f})"
         bits = 8 * sent[arm] / params / args.sync_every if sent[arm] else float("nan")
-        lines.append(f"| {arm} | {mean:.4f} | {diff} | {sent[arm]:.0f} | {bits:.3f} | "
-                     f"{seconds[arm]:.0f} |")
+        # DDP fp32 on 2 ranks: a ring all-reduce of 4 B a parameter every inner step
+        ddp = sent[arm] / args.sync_every / (2 * (2 - 1) / 2 * 4 * params)
+        lines.append(f"| {arm} | {mean:.4f} | {diff} | {percent} | {sent[arm]:.0f} | {bits:.4f} "
+                     f"| 1/{1 / ddp:.0f} | {seconds[arm]:.0f} |")
+    lines += ["", "Per seed: " + "; ".join(
+        f"{arm} " + ", ".join(f"{v:.4f}" for v in finals[arm]) for arm in args.arms) + "."]
     pathlib.Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines[-len(args.arms) - 2:]))
 

@@ -46,7 +46,8 @@ def flat_sync(states, grads, participants=None, participating=None, step=0):
     comms = LocalGroup(len(states), threads=True).communicators()
 
     def work(k):
-        sync = states[k].start(grads[k], Flat(comms[k]), comms[k], participants or len(states), step,
+        sync = states[k].start(grads[k], Flat(comms[k]), comms[k],
+                               participants or len(states), step,
                                use_residuals=participating is None or participating[k])
         return sync.finish(), sync
     return in_threads(len(states), work)

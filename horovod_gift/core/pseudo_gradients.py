@@ -121,7 +121,7 @@ class PseudoGradientSync:
 
     def __init__(self, state, grads, topology, cross, divisor, participants, step, feedback):
         self.state, self.grads = state, grads
-        codec, config = state.codec, state.config
+        codec = state.codec
         self.flats = {}
         for names in state.buckets:
             for name in names:
