@@ -122,7 +122,9 @@ def make_parser(description=__doc__):
         "--checkpoint", default=None, help="save here at the end (and every --save-every steps)"
     )
     p.add_argument("--save-every", type=int, default=0)
-    p.add_argument("--resume", default=None, help="checkpoint to continue from")
+    p.add_argument("--resume", default=None,
+                   help="checkpoint to continue from; 'auto': --checkpoint if it exists (what a "
+                        "job restarted by torchrun --max-restarts or horovodrun needs)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
         "--device",
@@ -171,8 +173,9 @@ def main(argv=None, parse=parse_args, build=build_model):
     run, optimizer, compressor = engine.wrap(model, lambda m: make_optimizer(m, args.lr), args,
                                              make_compression)
     start_step = 0
-    if args.resume:
-        start_step = load_checkpoint(args.resume, engine, model, optimizer, compressor)
+    resume = args.checkpoint if args.resume == "auto" else args.resume
+    if resume and (args.resume != "auto" or os.path.exists(checkpoint_file(resume, engine))):
+        start_step = load_checkpoint(resume, engine, model, optimizer, compressor)
     engine.broadcast(model, optimizer)
     batches = ByteBatches(
         read_corpus(args.data),
@@ -391,19 +394,32 @@ def save_checkpoint(path, engine, model, optimizer, compressor, step):
     """Rank 0 saves the model, the optimizer and GIFT's shared state; every rank saves GIFT's own
     state (its error-feedback residuals) beside it, so a job of the same size resumes bit for bit
     and a job of another size resumes with residuals at zero. Under FSDP every rank saves its
-    shards of everything to its own file."""
+    shards of everything to its own file. Each file is written whole or not at all (save)."""
     if engine.sharded:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                  "compressor": None if compressor is None else compressor.state_dict()}
-        torch.save(state, rank_state_path(path, engine.rank))
+        save(state, rank_state_path(path, engine.rank))
         return
     if compressor is not None:
-        torch.save(compressor.state_dict(), rank_state_path(path, engine.rank))
+        save(compressor.state_dict(), rank_state_path(path, engine.rank))
     if engine.rank == 0:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
         if compressor is not None:
             state["compressor"] = compressor.state_dict(rank_state=False)
-        torch.save(state, path)
+        save(state, path)
+
+
+def save(state, path):
+    """torch.save to a temporary name, then a rename: a process killed while saving leaves the
+    previous file whole (a rename within a directory is atomic)."""
+    temporary = f"{path}.tmp-{os.getpid()}"
+    torch.save(state, temporary)
+    os.replace(temporary, path)
+
+
+def checkpoint_file(path, engine):
+    """The file a rank reads first when it resumes from path."""
+    return rank_state_path(path, engine.rank) if engine.sharded else path
 
 
 def rank_state_path(path, rank):

@@ -76,10 +76,10 @@ def test_restarted_processes_continue_bit_for_bit(tmp_path):
         assert torch.equal(a[name], b[name]), f"{name} differs after the restart"
 
 
-def torchrun(np, *args, timeout=240):
+def torchrun(np, *args, timeout=240, launcher=()):
     return subprocess.run(
         [str(pathlib.Path(sys.executable).parent / "torchrun"), "--standalone",
-         "--nproc-per-node", str(np), *args],
+         "--nproc-per-node", str(np), *launcher, *args],
         capture_output=True, text=True, timeout=timeout, cwd=ROOT,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
@@ -112,6 +112,59 @@ def test_train_llama_under_torchrun_trains_and_resumes_bit_for_bit(tmp_path, eng
             same = torch.equal(*(t.to_local() if hasattr(t, "to_local") else t
                                  for t in (a[name], b[name])))
             assert same, f"{name} differs after the restart"
+
+
+DIES_IN_STEP = """
+import os, signal, sys
+sys.path.insert(0, {examples!r})
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+import train_llama
+steps = []
+
+def die(optimizer, args, kwargs):
+    # rank 1 of the first attempt, after step {step}'s backward and gradient collectives
+    steps.append(1)
+    if (len(steps) == {step} and os.environ["RANK"] == "1"
+            and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
+        open({marker!r}, "w").close()
+        os.kill(os.getpid(), signal.{signal})
+
+register_optimizer_step_pre_hook(die)
+train_llama.main()
+train_llama.shutdown()
+"""
+
+
+@pytest.mark.parametrize("signal", ["SIGKILL", "SIGTERM"])
+def test_a_rank_killed_mid_step_under_torchrun_max_restarts_resumes_bit_for_bit(tmp_path,
+                                                                                signal):
+    """DDP + GIFT INT3 on 2 ranks, a checkpoint every 4 steps; rank 1 killed in step 9 of the
+    first attempt. torchrun stops the survivor and starts both again; the example's process group
+    connects (engines.init_process_group), --resume auto loads step 8, and step 12 ends with the
+    bits of an uninterrupted run (parameters, the optimizer's state and GIFT's residuals)."""
+    script = tmp_path / "dies.py"
+    marker = tmp_path / "killed"
+    script.write_text(DIES_IN_STEP.format(examples=str(ROOT / "examples"), step=9,
+                                          signal=signal, marker=str(marker)))
+    common = [*TRAIN, "--engine", "ddp", "--compression", "gift-int3", "--steps", "12"]
+    straight, restarted = tmp_path / "straight.pt", tmp_path / "restarted.pt"
+    result = torchrun(2, *common, "--checkpoint", str(straight))
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = torchrun(2, str(script), *common[1:], "--save-every", "4", "--checkpoint",
+                      str(restarted), "--resume", "auto", launcher=["--max-restarts", "1"])
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert marker.exists(), "rank 1 was not killed: the test tested nothing"
+    a = torch.load(straight, weights_only=False)
+    b = torch.load(restarted, weights_only=False)
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), f"{name} differs"
+    for key, value in a["optimizer"]["state"].items():
+        assert all(torch.equal(v, b["optimizer"]["state"][key][k]) for k, v in value.items()
+                   if torch.is_tensor(v)), key
+    for rank in range(2):
+        mine = torch.load(f"{straight}.gift-rank{rank}", weights_only=False)
+        theirs = torch.load(f"{restarted}.gift-rank{rank}", weights_only=False)
+        assert str(mine) == str(theirs), f"rank {rank}'s GIFT state differs"
 
 
 def test_a_hung_collective_ends_the_job_at_the_per_test_timeout(tmp_path):
