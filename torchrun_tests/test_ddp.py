@@ -1,6 +1,8 @@
 """GIFT as DDP's communication hook (horovod_gift.ddp), on gloo under torchrun."""
 import copy
+import datetime
 import io
+import time
 
 import pytest
 import torch
@@ -231,3 +233,20 @@ def test_two_hops_over_nodes_of_two_ranks():
     ref_losses = train(reference, ref_opt, 6, check=False)
     assert abs(losses[-1] - ref_losses[-1]) < 0.05, (losses, ref_losses)
     assert state.stats()["node_bytes_sent"] > 0
+
+
+def test_a_rank_that_hangs_makes_every_rank_raise_naming_gifts_collective_and_rank():
+    """Rank 1 sleeps past the process group's timeout before a step: every rank raises, and the
+    error names GIFT's collective and the rank, not only gloo's words."""
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))
+    torch.manual_seed(0)
+    model = DDP(Net(), process_group=group)
+    model.register_comm_hook(GiftState(model, **OPTIONS), gift_hook)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, 2, check=False)
+    rank = dist.get_rank()
+    if rank == 1:
+        time.sleep(8)
+    with pytest.raises(RuntimeError, match=rf"GIFT: collective '[^']+' on rank {rank} of "
+                                           rf"{dist.get_world_size()} failed"):
+        loss_of(model, 2, rank).backward()
