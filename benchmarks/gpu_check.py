@@ -39,7 +39,7 @@ import triton  # noqa: E402
 from horovod_gift.codec.tensor_codec import Codec  # noqa: E402
 from horovod_gift.reduce.collective import BucketReduction, owned_elements  # noqa: E402
 from horovod_gift.reduce.communicator import LocalGroup  # noqa: E402
-from horovod_gift.config import use_kernels  # noqa: E402
+from horovod_gift.codec.backend import use_kernels  # noqa: E402
 from horovod_gift.geometry.whitening import InputWhitening  # noqa: E402
 from horovod_gift.kernels import fp8, fused, hadamard, nvfp4  # noqa: E402
 from horovod_gift.reduce.pipeline import StagePipeline  # noqa: E402

@@ -12,7 +12,8 @@ import importlib
 
 from .codec.formats import Encoded, decode, encode
 from .codec.rotation import HadamardRotation
-from .config import FORMATS, ROUNDINGS, GiftConfig, use_kernels
+from .codec.backend import FORMATS, ROUNDINGS, use_kernels
+from .config import GiftConfig
 from .geometry.linear_layers import register_linear
 from .geometry.whitening import InputWhitening
 

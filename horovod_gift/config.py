@@ -1,80 +1,23 @@
-"""Which implementation runs the codec, and the names and arguments the public API accepts.
+"""GiftConfig: every option of GIFT, one frozen record checked once; the names its options
+accept (the codec's own: codec/backend.py)."""
 
-CUDA tensors run the compiled Triton kernels; CPU tensors run the native kernels (numba,
-kernels/native.py; the Triton interpreter is 100-1000x slower). `HOROVOD_GIFT_KERNELS=triton` or
-`use_kernels("triton")` forces the Triton kernels for every tensor (tests run them in the
-interpreter with TRITON_INTERPRET=1); `"native"` the native kernels for CPU tensors; `"torch"`
-the plain-torch references, which every other implementation matches bit for bit.
-"""
-
-import contextlib
 import dataclasses
 import inspect
-import os
 from dataclasses import dataclass, field, replace
 
 import torch
 
-FORMATS = ("fp8_e4m3", "fp8_e5m2", "nvfp4", "int3")
-# the formats whose scale block is fixed: block_size may only name it (or be None)
-FIXED_BLOCKS = {"nvfp4": 16, "int3": 32}
-ROUNDINGS = ("nearest", "stochastic")
-BACKENDS = ("auto", "triton", "native", "torch")
-
-_backend = os.environ.get("HOROVOD_GIFT_KERNELS", "auto")
-if _backend not in BACKENDS:
-    raise ValueError(f"HOROVOD_GIFT_KERNELS={_backend!r}: expected one of {BACKENDS}")
-
-
-def runs_triton(tensor):
-    return _backend == "triton" or (_backend == "auto" and tensor.is_cuda)
-
-
-def runs_native(tensor):
-    return _backend in ("auto", "native") and tensor.device.type == "cpu"
-
-
-@contextlib.contextmanager
-def use_kernels(backend="triton"):
-    """Run the codec with `backend` ("auto", "triton", "native" or "torch") inside the block."""
-    global _backend
-    if backend not in BACKENDS:
-        raise ValueError(f"use_kernels({backend!r}): expected one of {BACKENDS}")
-    previous, _backend = _backend, backend
-    try:
-        yield
-    finally:
-        _backend = previous
-
-
-def check_codec(format, block_size, rounding, where="encode"):
-    """Raise ValueError naming the bad argument; returns nothing."""
-    if format not in FORMATS:
-        raise ValueError(f"{where}: unknown format {format!r}; expected one of {FORMATS}")
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"{where}: unknown rounding {rounding!r}; expected one of {ROUNDINGS}")
-    if format in FIXED_BLOCKS:
-        if block_size not in (None, FIXED_BLOCKS[format]):
-            raise ValueError(
-                f"{where}: {format} has fixed {FIXED_BLOCKS[format]}-element blocks; "
-                f"got block_size={block_size!r}"
-            )
-    elif block_size is not None and (
-        not isinstance(block_size, int)
-        or block_size < 1
-        or block_size & (block_size - 1)
-        or block_size > 4096
-    ):
-        raise ValueError(
-            f"{where}: block_size must be None (one scale per tensor) or a power of two "
-            f"from 1 to 4096; got {block_size!r}"
-        )
-
+from .codec.backend import check_codec
 
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
 REFRESH_EVERY = 4       # steps between whitening refreshes (core.GiftCore's docstring says why)
 STAT_WINDOW = 5         # steps in the statistics' EMA
 PARAM_FORMATS = (None, "fp8_e4m3")      # FSDP's parameter all-gather (fsdp/allgather.py)
+# "none", "hadamard" (randomized Hadamard rotation of the flattened tensor), "whiten" (input
+# whitening of linear weights), "whiten+hadamard", "auto" (geometry/transforms.py)
+TRANSFORMS = ("auto", "none", "hadamard", "whiten", "whiten+hadamard")
+# one flat group of every rank, two hops over nodes, or the one the ranks' placement allows
+TOPOLOGIES = ("auto", "flat", "two-hop")
 FSDP_TRANSFORMS = ("whiten", "none")
 # a pseudo-gradient is a sum of optimizer updates, not dY^T X: no input statistic describes it
 DILOCO_TRANSFORMS = ("hadamard", "none")
@@ -134,9 +77,6 @@ class GiftConfig:
     verbose: bool = True
 
     def __post_init__(self):
-        from .geometry.transforms import TRANSFORMS  # transforms imports this module
-        from .reduce.topology import TOPOLOGIES
-
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"GIFT: unknown topology {self.topology!r}; expected one of "
                              f"{TOPOLOGIES}")

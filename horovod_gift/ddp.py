@@ -96,7 +96,7 @@ class GiftState(GiftCore):
         weakref.finalize(self, self.statistics.remove_hooks)
 
     def _topology(self):
-        return torch_topology(self.topology_request, self.node_size, self.process_group,
+        return torch_topology(self.config.topology, self.config.node_size, self.process_group,
                               self.device)
 
     def reset_rank_state(self):
@@ -209,7 +209,7 @@ class GiftState(GiftCore):
             entry.future.set_result(entry.buffer)
 
     def _note_finite(self, name, result):
-        if self.nonfinite == "raise" and not torch.isfinite(result).all():
+        if self.config.nonfinite == "raise" and not torch.isfinite(result).all():
             self.current.nonfinite.append(name)
 
     def _finish_step(self):

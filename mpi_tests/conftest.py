@@ -23,7 +23,7 @@ if os.environ.get("GIFT_TEST_NODE_SIZE"):
 
         def _bind(self, optimizer):     # a silent fall back to flat would test nothing here
             super()._bind(optimizer)
-            if self.process_set.process_set_id == 0 and self.topology_request == "auto":
+            if self.process_set.process_set_id == 0 and self.config.topology == "auto":
                 assert self.topology.description[0] == "two-hop", self.topology.describe()
 
     horovod_gift.GIFT = NodesOfTheTestSize

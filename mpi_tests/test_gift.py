@@ -251,7 +251,7 @@ def test_bytes_on_the_wire(monkeypatch):
 
 def test_errors_are_clear():
     model = TinyLM()
-    opt = hvd.DistributedOptimizer(
+    hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1),
         named_parameters=model.named_parameters(),
         compression=gift.GIFT,

@@ -19,6 +19,8 @@ failed=()
 timings=()      # "seconds  suite", printed at the end: where make test's time goes
 
 if [ "$which" = all ] || [ "$which" = unit ]; then
+  echo "=== ruff check (pyflakes and pycodestyle at 100 columns; pyproject.toml) ==="
+  .venv/bin/ruff check . || failed+=("ruff check")
   echo "=== tests/ (single process) ==="
   # two workers of one thread each: most of the time is the Triton interpreter, one core each
   start=$SECONDS

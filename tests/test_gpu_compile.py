@@ -69,7 +69,7 @@ def record_launches(drive):
 def drive_codec():
     """Every codec path of the library, through its public entry points, with the kernels forced."""
     from horovod_gift.codec import formats
-    from horovod_gift.config import use_kernels
+    from horovod_gift.codec.backend import use_kernels
     from horovod_gift.kernels import fp8, int3, nvfp4
     from horovod_gift.codec.rotation import HadamardRotation
 

@@ -201,7 +201,7 @@ def test_a_state_moves_between_a_ddp_job_and_a_fresh_one_of_the_same_model():
     """Parameter names are the wrapped module's: the configuration compares equal."""
     _, _, state = make(**OPTIONS)
     other = GiftState(copy.deepcopy(Net()), **OPTIONS)
-    assert other.config() == state.config()
+    assert other.agreed() == state.agreed()
 
 
 def test_reset_rank_state_restarts_the_residuals_and_training_goes_on():

@@ -15,7 +15,7 @@ import torch
 from horovod_gift.kernels import fp8, fused, int3, native, nvfp4
 from horovod_gift.kernels.hadamard import LANES
 
-from ..config import check_codec, runs_native, runs_triton
+from .backend import check_codec, runs_native, runs_triton
 from .rotation import HadamardRotation
 from .workspaces import workspace
 

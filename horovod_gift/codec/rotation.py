@@ -23,7 +23,7 @@ from horovod_gift.kernels.hadamard import (
     segments,
 )
 
-from ..config import runs_native, runs_triton
+from .backend import runs_native, runs_triton
 
 
 @functools.lru_cache(maxsize=64)

@@ -17,7 +17,7 @@ from horovod_gift.kernels import int3, native, native_pieces, nvfp4
 from horovod_gift.kernels.fp8 import FORMATS as FP8_FORMATS
 from horovod_gift.kernels.pieces import decode_pieces_triton, quantize_pieces_triton
 
-from ..config import check_codec, runs_native, runs_triton
+from .backend import check_codec, runs_native, runs_triton
 from .formats import dequantize, payload_layout, quantize, quantize_folded, sum_quantize
 from .workspaces import workspace
 

@@ -122,8 +122,6 @@ class GiftCore(GiftStateBase):
         whitenable = ({n: dict(params)[n] for n in compressed}
                       if config.transform in WHITENING_TRANSFORMS else {})
         super().__init__(model, config, whitenable, comm)
-        self.nonfinite = config.nonfinite
-        self.topology_request, self.node_size = config.topology, config.node_size
         self.topology = None            # the frontend's Topology, chosen before the first step
         self.average = True             # a sum when False
         # the linear layers found, whatever the transform: ranks must agree on them
@@ -137,7 +135,6 @@ class GiftCore(GiftStateBase):
         self.bucket_of = {n: k for k, names in enumerate(self.buckets) for n in names}
         self.feedback = (ErrorFeedback(self.params, self.buckets, self.codec.align,
                                        config.residual_dtype) if config.error_feedback else None)
-        self.start_step, self.grad_scaler = config.start_step, config.grad_scaler
         self._scale = None              # the GradScaler's scale the residuals are in
         self._compiles_seen = CompileCount.count
 
@@ -168,7 +165,7 @@ class GiftCore(GiftStateBase):
             self.step = largest_step    # a mismatch before the first check is that check's error
         # warm-up: the engine's fp32 path, while the statistics gather (the factors are ready when
         # compression starts, and the residuals start at zero then)
-        compressing = self.step >= self.start_step
+        compressing = self.step >= self.config.start_step
         self.telemetry.add(warmup_steps=int(not compressing))
         self._follow_grad_scaler()
         # "auto" judges the candidates on refresh steps (factors from earlier batches only, as on
@@ -187,9 +184,9 @@ class GiftCore(GiftStateBase):
         """The residuals hold gradients in the GradScaler's units: when its scale changes (growth,
         or backoff after a step it skipped), rescale them with it. Every rank reads the same
         scale: the scaler judges the averaged gradients, identical on every rank."""
-        if self.grad_scaler is None:
+        if self.config.grad_scaler is None:
             return
-        scale = float(self.grad_scaler.get_scale())
+        scale = float(self.config.grad_scaler.get_scale())
         if self.feedback and self._scale is not None and scale != self._scale:
             self.feedback.rescale(scale / self._scale)
         self._scale = scale
@@ -263,7 +260,7 @@ class GiftCore(GiftStateBase):
     def check_finite(self, name, result):
         """Under nonfinite="raise", raise (on every rank: the result is the same bytes there) when
         the averaged gradient of name is not finite."""
-        if self.nonfinite == "raise" and not torch.isfinite(result).all():
+        if self.config.nonfinite == "raise" and not torch.isfinite(result).all():
             raise FloatingPointError(f"GIFT: the averaged gradient of {name} is not finite "
                                      "(a rank's gradient held NaN or Inf)")
 
@@ -312,11 +309,11 @@ class GiftCore(GiftStateBase):
         block = f" (block {self.codec.block_size})" if self.codec.block_size else ""
         plans = ", ".join(f"{v} tensors {k}" for k, v in sorted(counts.items()))
         linear = (self.statistics.describe(self.params, self.bucket_of) + "; "
-                  if self.transform in WHITENING_TRANSFORMS else "")
-        return (f"GIFT {self.codec.format}{block}, transform={self.transform}: {plans}; "
+                  if self.config.transform in WHITENING_TRANSFORMS else "")
+        return (f"GIFT {self.codec.format}{block}, transform={self.config.transform}: {plans}; "
                 f"{linear}{len(self.buckets)} buckets, "
                 f"{self.topology.describe() if self.topology else 'topology at the first step'}; "
-                f"tensors under {self.min_elements} elements go fp32")
+                f"tensors under {self.config.min_elements} elements go fp32")
 
     def stats(self):
         """Cumulative counters of this rank: steps, gradient elements, bytes sent through the
@@ -333,13 +330,13 @@ class GiftCore(GiftStateBase):
     def topology_description(self):
         return self.topology.description
 
-    def config(self):
+    def agreed(self):
         # the rotation's layout too: saved residuals live in the rotated space, and ranks must
         # agree on it
         shapes = [(n, tuple(p.shape)) for n, p in self.params.items()]
-        return dict(super().config(), hadamard_block=self.plan.rotation.block_size,
-                    hadamard_interleave=LANES, nonfinite=self.nonfinite,
-                    start_step=self.start_step, model=fingerprint((self.buckets, shapes)),
+        return dict(super().agreed(), hadamard_block=self.plan.rotation.block_size,
+                    hadamard_interleave=LANES, nonfinite=self.config.nonfinite,
+                    start_step=self.config.start_step, model=fingerprint((self.buckets, shapes)),
                     linear=fingerprint(self.linear_layers))
 
     def shared_state(self):

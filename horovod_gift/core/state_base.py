@@ -42,6 +42,12 @@ def check_ranks_agree(comm, config):
                      + per_rank + "".join(hint.get(k, "") for k in diff))
 
 
+# the options that change the numbers: ranks must agree on them and a checkpoint must match them
+NUMERIC_OPTIONS = ("format", "block_size", "rounding", "seed", "transform", "error_feedback",
+                   "residual_dtype", "min_elements", "whitening_rank", "damping",
+                   "refresh_every", "stat_window")
+
+
 class GiftStateBase:
     """label: the name errors and logs give this kind of state; CONFIG_ADDED: configuration
     keys a kind added after its first checkpoints, with the value those checkpoints meant."""
@@ -51,11 +57,8 @@ class GiftStateBase:
     def __init__(self, model, config, whitenable, comm):
         """config: the GiftConfig; whitenable: name -> weight of those the whitening may take;
         comm: the Communicator of the ranks, or None until the kind learns it (set_comm)."""
-        self.options = config
+        self.config = config    # every option is read from here, by its field's name
         self.codec = Codec(config.format, config.block_size, config.rounding, config.seed)
-        self.transform, self.error_feedback = config.transform, config.error_feedback
-        self.min_elements, self.residual_dtype = config.min_elements, config.residual_dtype
-        self.verbose = config.verbose
         self.params = dict(model.named_parameters())
         self.comm = comm
         self.statistics = WhiteningStatistics(model, whitenable, config.whitening_rank,
@@ -77,7 +80,7 @@ class GiftStateBase:
             self._load_rank_state(self._pending_rank_state)
         if not self._verify:
             return False
-        check_ranks_agree(self.comm, dict(self.config(), step=self.step,
+        check_ranks_agree(self.comm, dict(self.agreed(), step=self.step,
                                           topology=self.topology_description()))
         self._verify = False
         return True
@@ -89,7 +92,7 @@ class GiftStateBase:
             with record_function("horovod_gift.refresh"):
                 self._refresh()
         self.statistics.advance()
-        if self.step == 0 and self.verbose and self.comm.rank == 0:
+        if self.step == 0 and self.config.verbose and self.comm.rank == 0:
             logger.info("%s", self.describe())
 
     def count_step(self, plans=dict):
@@ -118,17 +121,14 @@ class GiftStateBase:
         raise NotImplementedError
 
     # ---------------------------------------------------------------- checkpoints
-    def config(self):
-        """What ranks must agree on and a checkpoint must match: what changes the numbers."""
-        return dict(format=self.codec.format, block_size=self.codec.block_size,
-                    rounding=self.codec.rounding, seed=self.codec.seed, transform=self.transform,
-                    error_feedback=self.error_feedback, residual_dtype=str(self.residual_dtype),
-                    min_elements=self.min_elements, whitening_rank=self.statistics.whitening_rank,
-                    damping=self.statistics.damping, refresh_every=self.statistics.refresh_every,
-                    stat_window=self.statistics.window)
+    def agreed(self):
+        """What ranks must agree on and a checkpoint must match: the options that change the
+        numbers (NUMERIC_OPTIONS, read from the config), and what each kind adds."""
+        config = {name: getattr(self.config, name) for name in NUMERIC_OPTIONS}
+        return dict(config, residual_dtype=str(config["residual_dtype"]))
 
     def shared_state(self):
-        return {"step": self.step, "config": self.config(),
+        return {"step": self.step, "config": self.agreed(),
                 "statistics": self.statistics.state_dict()}
 
     def state_dict(self, rank_state=True):
@@ -148,9 +148,9 @@ class GiftStateBase:
         """Load a state_dict(): the shared part now, the per-rank part at the next step (or now,
         where the ranks are known: apply_loaded); the ranks check they agree at that step."""
         saved = dict(self.CONFIG_ADDED, **state["config"])
-        if saved != self.config():
+        if saved != self.agreed():
             raise ValueError(f"{self.label}.load_state_dict: saved with {saved}, "
-                             f"this state is {self.config()}")
+                             f"this state is {self.agreed()}")
         self.step = state["step"]
         self.statistics.load_state_dict(state["statistics"])
         self._pending_rank_state = state["rank_state"]

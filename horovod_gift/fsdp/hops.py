@@ -30,8 +30,6 @@ from ..reduce.collective import BucketLayout, BucketReduction, Fp32Reduction, ti
 from ..reduce.feedback import fold_into
 from ..reduce.node_aware import NodeAwareCommunicator
 
-TOPOLOGIES = ("auto", "flat", "two-hop")
-
 
 class OneHop:
     """Every row quantized by every rank and reduce-scattered over comm (all the ranks)."""

@@ -74,8 +74,6 @@ class FsdpGiftState(GiftStateBase):
                       if params[n].requires_grad and params[n].numel() >= config.min_elements
                       and all(layout.layout == "out_in" for _, _, layout in modules)}
         super().__init__(model, config, whitenable, comm=None)
-        self.topology_request, self.node_size = config.topology, config.node_size
-        self.param_format = config.param_format
         self.name_of = {id(p): n for n, p in self.params.items()}
         self.modules = []       # the fully_shard modules whose reduce-scatter is GIFT's
         self.layouts, self.residuals = {}, {}   # module id -> GroupLayout; layout key -> r1
@@ -121,7 +119,7 @@ class FsdpGiftState(GiftStateBase):
         self.unwhitened.update(name for (_, dim, _), name in zip(fsdp_params, names)
                                if dim != 0)   # rows not sharded whole
         shards = [shard for _, _, shard in fsdp_params]
-        small = [self.params[n].numel() < self.min_elements for n in names]
+        small = [self.params[n].numel() < self.config.min_elements for n in names]
         return GroupLayout(names, shards, small, self.hops.quantized_rows(rows), self.codec)
 
     def _begin_step(self):
@@ -153,7 +151,7 @@ class FsdpGiftState(GiftStateBase):
                 self._convert_residuals(name, old)
 
     def describe(self):
-        return (f"GIFT (FSDP) {self.codec.format}, transform={self.transform}, "
+        return (f"GIFT (FSDP) {self.codec.format}, transform={self.config.transform}, "
                 f"{self.hops.describe()}: {len(self.statistics.whitening)} weights whitened")
 
     def _whitened(self, layout):
@@ -199,11 +197,11 @@ class FsdpGiftState(GiftStateBase):
         self._bounds += bounds
 
     def residual(self, layout, device):
-        if not self.error_feedback:
+        if not self.config.error_feedback:
             return None
         if layout.key not in self.residuals:
-            self.residuals[layout.key] = torch.zeros(layout.ranks * layout.shard,
-                                                     dtype=self.residual_dtype, device=device)
+            self.residuals[layout.key] = torch.zeros(
+                layout.ranks * layout.shard, dtype=self.config.residual_dtype, device=device)
         return self.residuals[layout.key]
 
     def _convert_residuals(self, name, old_factors):
@@ -223,9 +221,9 @@ class FsdpGiftState(GiftStateBase):
     def topology_description(self):
         return self.hops.description
 
-    def config(self):
+    def agreed(self):
         shapes = [(n, tuple(p.shape)) for n, p in self.params.items()]
-        return dict(super().config(), param_format=self.param_format,
+        return dict(super().agreed(), param_format=self.config.param_format,
                     model=fingerprint(shapes))
 
     def _rank_state(self):
@@ -245,7 +243,7 @@ class FsdpGiftState(GiftStateBase):
             self.residuals = {}
             self.statistics.load_local_state_dict({})
             return
-        self.residuals = {k: r.to(self.device, self.residual_dtype)
+        self.residuals = {k: r.to(self.device, self.config.residual_dtype)
                           for k, r in saved["residuals"].items()}
         self.statistics.load_local_state_dict(saved["statistics"])
 

@@ -115,7 +115,8 @@ def attach(model, config=None, **options):
     state.use(_hops([param_group(m) for m in modules], state, _device(model)))
     for module in modules:
         module.set_custom_reduce_scatter(GiftReduceScatter(state, module))
-    use_quantized_all_gather(modules, state.param_format, state.min_elements, state.telemetry)
+    use_quantized_all_gather(modules, state.config.param_format, state.config.min_elements,
+                             state.telemetry)
     return state
 
 
@@ -135,18 +136,18 @@ def _hops(groups, state, device):
     group = groups_of_mesh[0]
     world = dist.get_world_size()
     spans_world = dist.get_process_group_ranks(group) == list(range(world))
-    if state.topology_request == "two-hop" and not spans_world:
+    if state.config.topology == "two-hop" and not spans_world:
         raise ValueError("GIFT (FSDP): topology='two-hop' needs the FSDP mesh to hold every rank "
                          "of the default process group, in order; use topology='flat'")
-    kind = state.topology_request if spans_world else "flat"
-    topology = torch_topology(kind, state.node_size, None if spans_world else group, device)
+    kind = state.config.topology if spans_world else "flat"
+    topology = torch_topology(kind, state.config.node_size, None if spans_world else group, device)
     if isinstance(topology, TwoHop):
         return TwoHops(topology.comm, topology.node, topology.cross)
     return OneHop(TorchCommunicator(group, device))
 
 
 def _hsdp_hops(groups, state, device, shard, replicate):
-    if state.topology_request == "flat":
+    if state.config.topology == "flat":
         raise ValueError("GIFT (FSDP): topology='flat' does not apply under HSDP: its mesh "
                          "makes the nodes (reduce-scatter inside, all-reduce across replicas)")
     if shard.size() == 1:

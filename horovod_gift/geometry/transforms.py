@@ -14,9 +14,8 @@ import functools
 
 import torch
 
-from ..config import runs_native
+from ..codec.backend import runs_native
 
-TRANSFORMS = ("auto", "none", "hadamard", "whiten", "whiten+hadamard")
 # The transforms that may whiten: the statistics and their forward hooks exist only under them.
 WHITENING_TRANSFORMS = ("auto", "whiten", "whiten+hadamard")
 

@@ -70,11 +70,12 @@ class GIFT(GiftCore, Compressor):
         # with no process set given, chosen for the optimizer's set at the first step: only its
         # ranks may be making this GIFT
         if process_set is not None:
-            self.choose_topology(lambda: horovod_topology(self.topology_request, self.node_size,
-                                                          process_set))
+            self.choose_topology(lambda: horovod_topology(
+                self.config.topology, self.config.node_size, process_set))
         self._optimizer = None          # weak reference to the Horovod optimizer served
         # Parameters frozen now and trained later take an fp32 path: buckets must not wait for them.
-        self.unhooked = internals.UnhookedParameters(self.params, self.nonfinite, self.verbose)
+        self.unhooked = internals.UnhookedParameters(self.params, self.config.nonfinite,
+                                                     self.config.verbose)
         self.grad_names = internals.GradientNames(self.params)
         self.reset_step()
         internals.refuse_other_optimizers(self, GIFT)
@@ -107,7 +108,7 @@ class GIFT(GiftCore, Compressor):
         self.set_comm(HorovodCommunicator(self.process_set))
         if (self.topology is None or self.topology.comm.process_set.process_set_id
                 != self.process_set.process_set_id):
-            self.topology = horovod_topology(self.topology_request, self.node_size,
+            self.topology = horovod_topology(self.config.topology, self.config.node_size,
                                              self.process_set)
         self.average = optimizer.op == hvd.Average
         self._optimizer = weakref.ref(optimizer)

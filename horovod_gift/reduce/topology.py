@@ -14,7 +14,6 @@ from ..telemetry import logger
 from .collective import BucketReduction, bucket_pieces
 from .two_hop import TwoHopLayout, TwoHopReduction
 
-TOPOLOGIES = ("auto", "flat", "two-hop")
 
 
 def takes_two_hops(sizes, node_size, codec):
