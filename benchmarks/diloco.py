@@ -15,6 +15,7 @@ held-out loss and bytes of each arm against torchft's fp32 DiLoCo.
     .venv/bin/python benchmarks/diloco.py --seeds 0 1 2 --steps 300 --sync-every 20
 """
 import argparse
+import json
 import pathlib
 import shlex
 import sys
@@ -131,6 +132,17 @@ def replica(k, args, seed, options, corpus, lighthouse, barrier, out):
         manager.shutdown(wait=False)
 
 
+def cached(args, arm, seed, corpus):
+    """train()'s (held-out loss, bytes a sync), kept under runs/diloco/ per arm, seed and setting:
+    a cut study resumes, and arms added later pair with the runs already made."""
+    key = f"{arm}-s{seed}-H{args.sync_every}-n{args.steps}-d{args.dim}-l{args.layers}-lr{args.lr}"
+    path = ROOT / "runs" / "diloco" / (key.replace(" ", "_").replace(",", "") + ".json")
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(train(args, seed, ARMS[arm], corpus)))
+    return json.loads(path.read_text())
+
+
 def train(args, seed, options, corpus):
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     barrier, out = threading.Barrier(2), [None, None]
@@ -179,7 +191,7 @@ def main():
     finals, sent, seconds = {}, {}, {}
     for arm in args.arms:
         t0 = time.perf_counter()
-        results = [train(args, seed, ARMS[arm], corpus) for seed in args.seeds]
+        results = [cached(args, arm, seed, corpus) for seed in args.seeds]
         seconds[arm] = (time.perf_counter() - t0) / len(args.seeds)
         finals[arm] = [loss for loss, _ in results]
         sent[arm] = results[0][1]

@@ -269,7 +269,7 @@ def main():
                     continue
                 wall = train(corpus, dim, arm, seed, args, out_dir)
                 if wall is not None:
-                    last[dim] = max(wall, last.get(dim, 0))
+                    last[dim] = max(wall, last.get(dim) or 0)
             report(args)
 
 
