@@ -215,11 +215,12 @@ def init_process_group(backend):
     restarted attempt would find the first attempt's keys in it: gloo then connects to addresses
     of processes that are gone, and hangs or fails (issue 57: 15 of 24 restarts with a plain
     init_process_group, with or without GIFT; 4 of 4 with a prefix per attempt). Each attempt
-    gets the keys of its own under a prefix of TORCHELASTIC_RESTART_COUNT. Outside torchrun,
-    the plain env:// initialization."""
+    gets the keys of its own under a prefix of TORCHELASTIC_RESTART_COUNT. Outside torchrun's
+    agent store (no torchrun, or a rendezvous whose store no agent hosts), the plain env://
+    initialization."""
     import torch.distributed as dist
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None:
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend)
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -173,9 +173,19 @@ def main(argv=None, parse=parse_args, build=build_model):
     run, optimizer, compressor = engine.wrap(model, lambda m: make_optimizer(m, args.lr), args,
                                              make_compression)
     start_step = 0
+    if args.resume == "auto" and not args.checkpoint:
+        raise SystemExit("--resume auto resumes from --checkpoint: give --checkpoint too")
     resume = args.checkpoint if args.resume == "auto" else args.resume
     if resume and (args.resume != "auto" or os.path.exists(checkpoint_file(resume, engine))):
         start_step = load_checkpoint(resume, engine, model, optimizer, compressor)
+    # every rank must resume from the same step: a kill between two ranks' saves leaves files
+    # of different steps (each file is whole, the set is not)
+    # (the same verdict on every rank: the steps' spread, n sum(s^2) - (sum s)^2, is 0 or not)
+    total, squares, ranks = engine.sum(
+        torch.tensor([start_step, start_step ** 2, 1], dtype=torch.float64), "resume_step").tolist()
+    if ranks * squares != total ** 2:
+        raise SystemExit(f"the ranks resume from different steps (this one from {start_step}): "
+                         "the last save did not finish on every rank")
     engine.broadcast(model, optimizer)
     batches = ByteBatches(
         read_corpus(args.data),

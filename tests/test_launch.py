@@ -124,6 +124,9 @@ steps = []
 def die(optimizer, args, kwargs):
     # rank 1 of the first attempt, after step {step}'s backward and gradient collectives
     steps.append(1)
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "1" and os.environ["RANK"] == "0":
+        with open({resumed!r}, "a") as f:     # the steps the restarted attempt takes
+            f.write("x")
     if (len(steps) == {step} and os.environ["RANK"] == "1"
             and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
         open({marker!r}, "w").close()
@@ -143,9 +146,10 @@ def test_a_rank_killed_mid_step_under_torchrun_max_restarts_resumes_bit_for_bit(
     connects (engines.init_process_group), --resume auto loads step 8, and step 12 ends with the
     bits of an uninterrupted run (parameters, the optimizer's state and GIFT's residuals)."""
     script = tmp_path / "dies.py"
-    marker = tmp_path / "killed"
+    marker, resumed_steps = tmp_path / "killed", tmp_path / "resumed-steps"
     script.write_text(DIES_IN_STEP.format(examples=str(ROOT / "examples"), step=9,
-                                          signal=signal, marker=str(marker)))
+                                          signal=signal, marker=str(marker),
+                                          resumed=str(resumed_steps)))
     common = [*TRAIN, "--engine", "ddp", "--compression", "gift-int3", "--steps", "12"]
     straight, restarted = tmp_path / "straight.pt", tmp_path / "restarted.pt"
     result = torchrun(2, *common, "--checkpoint", str(straight))
@@ -154,6 +158,8 @@ def test_a_rank_killed_mid_step_under_torchrun_max_restarts_resumes_bit_for_bit(
                       str(restarted), "--resume", "auto", launcher=["--max-restarts", "1"])
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert marker.exists(), "rank 1 was not killed: the test tested nothing"
+    # the restarted attempt resumed at step 8 (from the checkpoint), not from the start
+    assert resumed_steps.read_text() == "x" * 4, resumed_steps.read_text()
     a = torch.load(straight, weights_only=False)
     b = torch.load(restarted, weights_only=False)
     for name in a["model"]:
@@ -164,7 +170,19 @@ def test_a_rank_killed_mid_step_under_torchrun_max_restarts_resumes_bit_for_bit(
     for rank in range(2):
         mine = torch.load(f"{straight}.gift-rank{rank}", weights_only=False)
         theirs = torch.load(f"{restarted}.gift-rank{rank}", weights_only=False)
-        assert str(mine) == str(theirs), f"rank {rank}'s GIFT state differs"
+        assert same_bits(mine, theirs), f"rank {rank}'s GIFT state differs"
+
+
+def same_bits(a, b):
+    """Whether two nested states hold the same tensors bit for bit and the same other values."""
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(
+            same_bits(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same_bits, a, b))
+    return a == b
 
 
 def test_a_hung_collective_ends_the_job_at_the_per_test_timeout(tmp_path):

@@ -123,5 +123,6 @@ def test_the_private_torchft_attributes_gift_reads():
     assert prepare.index("_save_grads") < prepare.index("_average_grads()")
     perform = inspect.getsource(type(fragment).perform_sync)
     assert "return should_commit" in perform and "work.wait()" in perform
-    assert "self._pg = pg" in inspect.getsource(Manager.__init__)
+    source = inspect.getsource(Manager.__init__)
+    assert "self._pg = pg" in source and "self._group_world_size" in source
     assert hasattr(ProcessGroupGloo, "parent")

@@ -31,7 +31,9 @@ class PseudoGradientState:
     parameters); config: a GiftConfig (transform "none" or "hadamard"); key: an integer that
     sets this state's buckets apart in the stochastic rounding's seeds."""
 
-    def __init__(self, tensors, config, key=0):
+    def __init__(self, tensors, config, key=0, min_bucket=0):
+        """min_bucket: buckets of fewer elements travel in fp32 (a two-hop reduction needs
+        node size x the codec's alignment: every rank of a node must own a chunk)."""
         self.config, self.key = config, key
         self.codec = Codec(config.format, config.block_size, config.rounding, config.seed)
         self.rotation = (HadamardRotation(config.hadamard_block, config.seed)
@@ -39,7 +41,12 @@ class PseudoGradientState:
         sizes = {name: t.numel() for name, t in tensors.items()}
         self.small = [n for n in tensors if sizes[n] < config.min_elements]
         compressed = [n for n in tensors if sizes[n] >= config.min_elements]
-        self.buckets = fill_buckets(compressed, sizes, config.bucket_elements)
+        self.buckets = []
+        for names in fill_buckets(compressed, sizes, config.bucket_elements):
+            if sum(sizes[n] for n in names) >= min_bucket:
+                self.buckets.append(names)
+            else:
+                self.small += names
         self.sizes = sizes
         self.feedback = (ErrorFeedback(tensors, self.buckets, self.codec.align,
                                        config.residual_dtype)
@@ -100,10 +107,17 @@ class PseudoGradientState:
             if self.feedback is not None else 0
 
     def state_dict(self):
-        """This rank's residuals (host copies) and the layout their r2 was written in."""
-        feedback = (self.feedback.state_dict() if self.feedback is not None
-                    else ErrorFeedback.empty_state())
-        return dict(feedback, layout=self.layout)
+        """This rank's residuals (host copies) and the layout their r2 was written in; during a
+        sync not yet committed, those from before it (torchft's global weights are still the
+        previous step's)."""
+        if self.feedback is None:
+            return dict(ErrorFeedback.empty_state(), layout=None)
+        if self._saved is None:
+            return dict(self.feedback.state_dict(), layout=self.layout)
+        stage1, stage2, layout = self._saved
+        return {"residual1": {n: r.to("cpu", copy=True) for n, r in stage1.items()},
+                "residual2": {k: r.to("cpu", copy=True) for k, r in stage2.items()},
+                "spread": sorted(self.feedback.spread), "layout": layout}
 
     def load_state_dict(self, state):
         if self.feedback is None:

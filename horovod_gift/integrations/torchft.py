@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torchft.local_sgd import DiLoCo
 
+from ..codec.tensor_codec import Codec
 from ..config import GiftConfig
 from ..core.pseudo_gradients import PseudoGradientState
 from ..reduce.topology import Flat, TwoHop
@@ -51,7 +52,7 @@ REPLACED = {"should_quantize": "GIFT quantizes (format=)",
             "bucket_cap_mb": "GIFT buckets the pseudo-gradients (bucket_elements=)"}
 # the options a healing replica must share with the replica it heals from
 SHARED_OPTIONS = ("format", "transform", "error_feedback", "block_size", "rounding", "seed",
-                  "bucket_elements", "min_elements", "hadamard_block", "topology")
+                  "bucket_elements", "min_elements", "hadamard_block", "topology", "nonfinite")
 
 
 class GiftDiLoCo(DiLoCo):
@@ -73,24 +74,33 @@ class GiftDiLoCo(DiLoCo):
         self.config.refuse_for_diloco()
         super().__init__(manager, model_fragments, inner_optimizer, outer_optimizer,
                          sync_every, **diloco_options)
-        node = self._node_communicator(group, model_fragments)
+        node = self._node_communicator(group, model_fragments, manager)
         self.syncs = [FragmentSync(fragment, manager, self.config, node)
                       for fragment in internals.fragments(self)]
 
-    def _node_communicator(self, group, model_fragments):
+    def _node_communicator(self, group, model_fragments, manager):
         """The communicator of the replica group's ranks for two hops, or None (flat)."""
         topology = self.config.topology
         if topology == "flat":
             return None
+        given = group is not None
         if group is None and dist.is_initialized():
             group = dist.group.WORLD
         ranks = dist.get_world_size(group) if group is not None else 1
         sharded = [name for module in model_fragments for name, p in module.named_parameters()
                    if isinstance(p, DTensor)
                    and any(not isinstance(pl, Replicate) for pl in p.placements)]
-        why = ("the replica group has one rank" if ranks == 1 else
-               f"{sharded[0]} is sharded inside the replica group: each rank's shard is "
-               "already 1/L of it" if sharded else None)
+        if ranks == 1:
+            why = "the replica group has one rank"
+        elif sharded:
+            why = f"{sharded[0]} is sharded inside the replica group: each rank's shard is " \
+                  "already 1/L of it"
+        elif not given and ranks != internals.group_world_size(manager):
+            why = (f"the default process group has {ranks} ranks and the replica group "
+                   f"{internals.group_world_size(manager)}: pass group= (the ranks holding the "
+                   "same weights)")
+        else:
+            why = None
         if why is None:
             return TorchCommunicator(group)
         if topology == "two-hop":
@@ -141,7 +151,10 @@ class FragmentSync:
         self.index = internals.fragment_id(fragment)
         tensors = {name: p.to_local() if isinstance(p, DTensor) else p
                    for name, p in internals.fragment_module(fragment).named_parameters()}
-        self.state = PseudoGradientState(tensors, config, key=self.index)
+        # a two-hop bucket needs a chunk for every rank of the replica group
+        self.state = PseudoGradientState(
+            tensors, config, key=self.index,
+            min_bucket=node.size * Codec(config.format, config.block_size).align if node else 0)
         # the last sync's: bytes this rank sent, those of them across replicas (quantized), and
         # its topology in words
         self.bytes_sent, self.cross_bytes, self.described = 0, 0, None
@@ -208,15 +221,16 @@ class FragmentSync:
         allgather a sync): replicas that differ would exchange bytes that do not line up, and
         hang or mix them."""
         sizes = tuple(self.state.sizes.items())
-        values = [getattr(self.config, k) for k in SHARED_OPTIONS] + [sizes]
+        node_size = self.node.size if self.node is not None else 1
+        values = [getattr(self.config, k) for k in SHARED_OPTIONS] + [node_size, sizes]
         mine = torch.tensor([zlib.crc32(repr(v).encode()) for v in values], dtype=torch.int64,
                             device=device)
         return cross.allgather_async(mine, "gift.diloco.agree").wait().view(cross.size, -1)
 
     def _check_agreement(self, fingerprints):
         differ = (fingerprints != fingerprints[0]).any(0).tolist()
-        names = [k for k, bad in zip((*SHARED_OPTIONS, "the parameters' names and sizes"), differ)
-                 if bad]
+        names = [k for k, bad in zip((*SHARED_OPTIONS, "the ranks a replica group reduces over",
+                                      "the parameters' names and sizes"), differ) if bad]
         if names:
             verb = "differs" if len(names) == 1 else "differ"
             raise ValueError(f"GiftDiLoCo: fragment {self.index}: {', '.join(names)} {verb} "

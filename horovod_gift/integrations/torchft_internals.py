@@ -11,6 +11,7 @@ and offers no hook for its all-reduce. GIFT reads and replaces, per fragment:
 - `fragment.perform_sync()` returns `should_commit()`'s verdict (wrapped here to commit or roll
   back GIFT's residuals).
 And of the Manager:
+- `manager._group_world_size`: the ranks of this replica group (the Manager's world_size);
 - `manager._pg`: the process group across replicas (configured at each quorum); its wrappers
   (`ProcessGroupWrapper`) do not report their rank (`rank()` is 0), `parent.rank()` does.
 tests/test_torchft.py::test_the_private_torchft_attributes_gift_reads fails when torchft changes
@@ -59,6 +60,10 @@ def wrap_perform_sync(fragment: _StreamingDiLoCoFragment, after) -> None:
         after(committed)
         return committed
     fragment.perform_sync = wrapped
+
+
+def group_world_size(manager: Manager) -> int:
+    return manager._group_world_size
 
 
 def process_group(manager: Manager):
