@@ -139,9 +139,11 @@ class PseudoGradientSync:
         self.flats = {}
         for names in state.buckets:
             for name in names:
+                # an fp32 pseudo-gradient is its own flat: finish() decodes over it (its values
+                # are sent by then), and no copy of the fragment is made
                 flat = grads[name].detach().reshape(-1).to(torch.float32)
                 self.flats[name] = (state.rotation.apply(flat) if state.rotation is not None
-                                    else flat.clone())
+                                    else flat)
         self.reductions = []
         for k, names in enumerate(state.buckets):
             residual1 = residual2 = None

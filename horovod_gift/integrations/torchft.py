@@ -110,7 +110,7 @@ class GiftDiLoCo(DiLoCo):
 
     def state_dict(self):
         """This rank's GIFT state, to save beside the user's checkpoint (one file a rank)."""
-        return {"config": {k: getattr(self.config, k) for k in SHARED_OPTIONS},
+        return {"config": shared_options(self.config),
                 "fragments": [sync.state.state_dict() for sync in self.syncs]}
 
     def load_state_dict(self, state):
@@ -125,6 +125,11 @@ class GiftDiLoCo(DiLoCo):
         """Bytes sent by this rank in the last sync of each fragment, and residual bytes."""
         return {"bytes_sent": [sync.bytes_sent for sync in self.syncs],
                 "residual_bytes": sum(sync.state.residual_bytes() for sync in self.syncs)}
+
+
+def shared_options(config):
+    """The options every replica must share, by name."""
+    return {k: getattr(config, k) for k in SHARED_OPTIONS}
 
 
 def check_options(config, options, where):
@@ -155,6 +160,10 @@ class FragmentSync:
         self.state = PseudoGradientState(
             tensors, config, key=self.index,
             min_bucket=node.size * Codec(config.format, config.block_size).align if node else 0)
+        # what _fingerprints sends, made once: the options, the replica group's size, the sizes
+        values = [*shared_options(config).values(), node.size if node is not None else 1,
+                  tuple(self.state.sizes.items())]
+        self.fingerprint = [zlib.crc32(repr(v).encode()) for v in values]
         # the last sync's: bytes this rank sent, those of them across replicas (quantized), and
         # its topology in words
         self.bytes_sent, self.cross_bytes, self.described = 0, 0, None
@@ -164,7 +173,7 @@ class FragmentSync:
                                        self.options)
 
     def options(self):
-        return {k: getattr(self.config, k) for k in SHARED_OPTIONS}
+        return shared_options(self.config)
 
     def load_from_peer(self, options):
         """A healing replica: residuals restart at zero. Options that differ from the peer's are
@@ -220,11 +229,7 @@ class FragmentSync:
         """Every replica's fingerprint of its options and pseudo-gradients' sizes (one small
         allgather a sync): replicas that differ would exchange bytes that do not line up, and
         hang or mix them."""
-        sizes = tuple(self.state.sizes.items())
-        node_size = self.node.size if self.node is not None else 1
-        values = [getattr(self.config, k) for k in SHARED_OPTIONS] + [node_size, sizes]
-        mine = torch.tensor([zlib.crc32(repr(v).encode()) for v in values], dtype=torch.int64,
-                            device=device)
+        mine = torch.tensor(self.fingerprint, dtype=torch.int64, device=device)
         return cross.allgather_async(mine, "gift.diloco.agree").wait().view(cross.size, -1)
 
     def _check_agreement(self, fingerprints):
