@@ -29,16 +29,21 @@ def distance(a, b):
 
 def test_replicas_agree_bit_for_bit_and_follow_torchfts_diloco():
     gift = run_replicas(steps=16, gift=dict(format="int3"), fragments=2)
-    plain = run_replicas(steps=16, fragments=2)[0].weights
+    fp32 = run_replicas(steps=16, fragments=2)
+    plain = fp32[0].weights
     w0, w1 = gift[0].weights, gift[1].weights
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     assert distance(w0, plain) < 0.1, distance(w0, plain)
     # error feedback is what keeps INT3 near fp32's outer steps
     without = run_replicas(steps=16, gift=dict(format="int3", error_feedback=False), fragments=2)
     assert distance(w0, plain) < 0.6 * distance(without[0].weights, plain)
-    # INT3 against fp32: a tenth of the bytes of the weights' all-reduce, each fragment
-    sent, elements = gift[0].engine.stats()["bytes_sent"], [64 * 64 + 64, 64 * 64 + 64 + 65]
-    assert all(b < 0.15 * 2 * 4 * m / 2 for b, m in zip(sent, elements)), sent
+    # INT3 against fp32: about a tenth of the bytes torchft's DiLoCo hands the same process
+    # group (counted there, whoever sends them: GIFT's fingerprints and small tensors included)
+    assert all(0 < g.sent < 0.15 * f.sent for g, f in zip(gift, fp32)), (
+        [g.sent for g in gift], [f.sent for f in fp32])
+    # and GIFT's own count of the last sync agrees with what reached the process group
+    last = sum(gift[0].engine.stats()["bytes_sent"])
+    assert 0.2 * gift[0].sent / 4 < last <= gift[0].sent / 4, (last, gift[0].sent)
 
 
 def test_a_failed_collective_discards_the_step_on_every_replica_and_training_goes_on(caplog):
