@@ -17,7 +17,7 @@ from torch.distributed import TCPStore  # noqa: E402
 from torchft._torchft import LighthouseServer  # noqa: E402
 from torchft.manager import Manager  # noqa: E402
 
-sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent / "tests" / "integrations"))
 
 from helpers import Net, assert_identical_on_all_ranks, loss_of  # noqa: E402
 from horovod_gift.integrations.torchft import GiftDiLoCo  # noqa: E402

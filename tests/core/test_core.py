@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from horovod_gift.core.gift_core import GiftCore
-from horovod_gift.reduce.communicator import LocalGroup
 from horovod_gift.reduce.topology import Flat
+from ranks import run_ranks
 
 DIM, BATCH = 64, 16
 SEEDING = threading.Lock()      # the ranks' threads share torch's global generator
@@ -68,25 +68,6 @@ class LocalFrontend:
                               / self.comm.size)
         core.end_step()
         return {n: g.clone() for n, g in grads.items()}
-
-
-def run_ranks(n, work):
-    """work(rank, comm) on every rank of a threaded LocalGroup; what each returned, or the
-    exception each raised."""
-    comms = LocalGroup(n, threads=True, timeout=60).communicators()
-    out = [None] * n
-
-    def run(rank):
-        try:
-            out[rank] = work(rank, comms[rank])
-        except Exception as error:     # every rank's error is what the tests look at
-            out[rank] = error
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(n)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return out
 
 
 def train(rank, comm, steps, options=(), state=None, first=0, poison_at=None):

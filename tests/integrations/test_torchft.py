@@ -1,7 +1,7 @@
 """GiftDiLoCo (integrations/torchft.py) over a real torchft Lighthouse, Managers and gloo process
-groups, replicas as threads (tests/torchft_replicas.py): the same global weights on every
-replica, close to torchft's own DiLoCo, fewer bytes, a failed collective that discards the step
-on every replica and no hang, and DiLoCo's options honoured or refused by name."""
+groups, replicas as threads (torchft_replicas.py, beside this file): the same global weights on
+every replica, close to torchft's own DiLoCo, fewer bytes, a failed collective that discards the
+step on every replica and no hang, and DiLoCo's options honoured or refused by name."""
 import inspect
 import logging
 from unittest import mock
