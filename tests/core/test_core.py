@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from horovod_gift.core.gift_core import GiftCore
+from horovod_gift.reduce.communicator import LocalGroup
 from horovod_gift.reduce.topology import Flat
 from ranks import run_ranks
 
@@ -153,3 +154,21 @@ def test_a_non_finite_gradient_comes_back_nan_everywhere_and_the_next_step_is_cl
         assert not torch.isfinite(poisoned["0.weight"]).all()
         assert torch.isfinite(poisoned["2.weight"]).all()     # its own pieces and scales
         assert all(torch.isfinite(g).all() for g in out[rank][3].values()), rank
+
+
+def test_a_checkpoint_of_another_model_or_options_is_refused_naming_what_differs():
+    def saved(rank, comm):
+        frontend = LocalFrontend(make_model(), comm)
+        frontend.backward(0)
+        frontend.step()
+        return frontend.core.state_dict()
+    state = run_ranks(2, saved)[0]
+    wider = torch.nn.Sequential(torch.nn.Linear(DIM, 3 * DIM), torch.nn.GELU(),
+                                torch.nn.Linear(3 * DIM, DIM))
+    comm = LocalGroup(1).communicators()[0]     # loaded, never stepped
+    with pytest.raises(ValueError, match=r"saved with another model \(model: saved with '"):
+        GiftCore(wider, comm, min_elements=1024).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"another format \(format: saved with 'nvfp4', "
+                                         r"here 'fp8_e4m3'\)"):
+        GiftCore(make_model(), comm, min_elements=1024, format="fp8_e4m3").load_state_dict(state)
+    GiftCore(make_model(), comm, min_elements=1024).load_state_dict(state)   # its own loads
