@@ -3,6 +3,7 @@ running the smallest frontend there is (LocalFrontend below), so the core's guar
 checked without Horovod or torch.distributed: every rank ends a step with the same bits, a
 resume at a refresh step is bit for bit, ranks that differ raise on every rank, and a non-finite
 gradient comes back NaN everywhere without poisoning the next step."""
+import logging
 import threading
 
 import pytest
@@ -172,3 +173,32 @@ def test_a_checkpoint_of_another_model_or_options_is_refused_naming_what_differs
                                          r"here 'fp8_e4m3'\)"):
         GiftCore(make_model(), comm, min_elements=1024, format="fp8_e4m3").load_state_dict(state)
     GiftCore(make_model(), comm, min_elements=1024).load_state_dict(state)   # its own loads
+
+
+def test_a_resume_on_another_number_of_ranks_warns_once_and_trains_on(caplog):
+    """A checkpoint of 2 ranks loaded on 4: the shared part (step, statistics) is kept, the
+    residuals restart at zero with one warning, and the 4 ranks train on with the same bits."""
+    caplog.set_level(logging.WARNING, logger="horovod_gift")
+    saved = [r[1] for r in run_ranks(2, lambda rank, comm: train(rank, comm, steps=4))]
+    x = torch.randn(4 * BATCH, DIM, generator=torch.Generator().manual_seed(7))
+
+    def resumed(rank, comm):
+        frontend = LocalFrontend(make_model(), comm)
+        frontend.core.load_state_dict(saved[rank % 2])
+        optimizer = torch.optim.SGD(frontend.model.parameters(), lr=2.0)
+        losses = []
+        for step in range(4, 10):
+            with torch.no_grad():
+                losses.append(frontend.model(x).square().mean().item())
+            frontend.backward(step)
+            frontend.step()
+            optimizer.step()
+        return losses, [p.detach().clone() for p in frontend.model.parameters()], \
+            frontend.core.step
+    out = run_ranks(4, resumed)
+    for losses, weights, step in out:
+        assert step == 10
+        assert losses[-1] < 0.8 * losses[0], losses
+        assert all(torch.equal(a, b) for a, b in zip(weights, out[0][1]))
+    warned = [r.message for r in caplog.records if "restart at zero" in r.message]
+    assert len(warned) == 1 and "saved by rank 0 of 2, this is rank 0 of 4" in warned[0], warned
