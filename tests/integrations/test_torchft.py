@@ -110,6 +110,21 @@ def test_options_that_do_not_apply_are_refused_by_name(option, value, words):
         GiftDiLoCo(manager, [model], inner, outer, 4, **{option: value})
 
 
+def test_an_outer_optimizer_that_spans_fragments_is_refused():
+    """torchft would step it at each fragment's sync over the other fragment's parameters too."""
+    model = make_model()
+    parts = [model[:2], model[2:]]
+    inner = torch.optim.AdamW(model.parameters())
+    manager = mock.create_autospec(Manager, instance=True)
+    manager._use_async_quorum = False
+    with pytest.raises(ValueError, match="one outer_optimizer for 2 fragments"):
+        GiftDiLoCo(manager, parts, inner, torch.optim.SGD(model.parameters(), lr=0.7), 4)
+    swapped = [torch.optim.SGD(part.parameters(), lr=0.7) for part in reversed(parts)]
+    with pytest.raises(ValueError, match=r"outer_optimizer\[0\] does not hold exactly"):
+        GiftDiLoCo(manager, parts, inner, swapped, 4)
+    GiftDiLoCo(manager, parts, inner, [torch.optim.SGD(p.parameters(), lr=0.7) for p in parts], 4)
+
+
 def test_the_private_torchft_attributes_gift_reads():
     """Fails when torchft changes what torchft_internals.py relies on."""
     model = nn.Sequential(nn.Linear(4, 4))
