@@ -9,8 +9,8 @@ run on the CPU:
    rotation), stage-1 quantization with a residual per tensor, the fp32 sums in rank order 0..n-1
    and the average, stage-2 quantization with a residual per owned chunk, decode of every owner's
    bytes, inverse transform; 2 steps, so the residuals feed back; FP8 E4M3 (per tensor and per
-   32), E5M2 and NVFP4, nearest and stochastic rounding; one bucket of tensors of odd sizes. Each
-   rank runs the library's own TransformPlan, BucketReduction and StagePipeline (start,
+   32), E5M2, NVFP4 and INT3, nearest and stochastic rounding; one bucket of tensors of odd
+   sizes. Each rank runs the library's own TransformPlan, BucketReduction and StagePipeline (start,
    exchange, finish, as GIFT calls them; on CUDA the second stage runs on the pipeline's side
    stream), Horovod's collectives replaced by an in-process exchange (LocalGroup). The
    transformed gradients, the bytes every rank gathers, every rank's residuals and results must
@@ -41,7 +41,7 @@ from horovod_gift.reduce.collective import BucketReduction, owned_elements  # no
 from horovod_gift.reduce.communicator import LocalGroup  # noqa: E402
 from horovod_gift.codec.backend import use_kernels  # noqa: E402
 from horovod_gift.geometry.whitening import InputWhitening  # noqa: E402
-from horovod_gift.kernels import fp8, fused, hadamard, nvfp4  # noqa: E402
+from horovod_gift.kernels import fp8, fused, hadamard, int3, nvfp4  # noqa: E402
 from horovod_gift.reduce.pipeline import StagePipeline  # noqa: E402
 from horovod_gift.codec.rotation import HadamardRotation  # noqa: E402
 from horovod_gift.telemetry import Telemetry  # noqa: E402
@@ -128,6 +128,24 @@ def check_kernels(x, m, failures):
                                                    ts.to(DEVICE), m),
                          nvfp4.nvfp4_decode_torch(p_cpu, s_cpu, ts, m)):
             failures.append("nvfp4 decode")
+    for sr in (False, True):
+        label = f"int3 encode{' SR' if sr else ''}"
+        ts = int3.int3_tensor_scale_torch(xs.abs().amax()).reshape(1)
+        check(f"{label} ", lambda: int3.int3_encode_triton(xg, ts.to(DEVICE), 3, sr),
+              lambda: int3.int3_encode_torch(xs, ts, 3, sr), failures)
+        big_ts = int3.int3_tensor_scale_torch(x.abs().amax()).reshape(1)
+        packed, sc = int3.int3_encode_triton(x, big_ts, 3, sr)
+        # 3 bits a code + one E4M3 scale a block of 32
+        payload = 3 / 8 + 1 / int3.BLOCK
+        rows.append(timed(label, lambda: int3.int3_encode_triton(x, big_ts, 3, sr),
+                          (4 + payload) * n))
+        rows.append(timed("int3 decode", lambda: int3.int3_decode_triton(packed, sc, big_ts, n),
+                          (4 + payload) * n))
+        p_cpu, s_cpu = int3.int3_encode_torch(xs, ts, 3, sr)
+        if not same_bits(int3.int3_decode_triton(p_cpu.to(DEVICE), s_cpu.to(DEVICE),
+                                                 ts.to(DEVICE), m),
+                         int3.int3_decode_torch(p_cpu, s_cpu, ts, m)):
+            failures.append("int3 decode")
     for block in (16, 128):
         for inverse in (False, True):
             label = f"hadamard {block}{' inverse' if inverse else ''}"
@@ -139,6 +157,7 @@ def check_kernels(x, m, failures):
               lambda: hadamard.hadamard_triton(in_place, block, 7, True, in_place),
               lambda: hadamard.hadamard_torch(xs, block, 7, True), failures)
     for fmt_name, block, rotation in (("nvfp4", None, (128, 1)), ("nvfp4", None, None),
+                                      ("int3", None, (128, 1)), ("int3", None, None),
                                       ("fp8_e4m3", 32, None), ("fp8_e4m3", 32, (128, 1)),
                                       ("fp8_e4m3", None, (128, 1))):
         label = (f"fused {fmt_name}{' per ' + str(block) if block else ''}"
@@ -151,13 +170,15 @@ def check_kernels(x, m, failures):
               lambda: fused.rotate_feedback_quantize_torch(xs, r_cpu.clone(), fmt_name, block,
                                                            rotation, 5, False), failures)
         residual = torch.zeros(n, device=DEVICE)
-        payload = 0.5625 if fmt_name == "nvfp4" else 1 + (4 / block if block else 0)
+        payload = {"nvfp4": 0.5625, "int3": 3 / 8 + 1 / int3.BLOCK}.get(
+            fmt_name, 1 + (4 / block if block else 0))
         # the amax pass reads x and r
-        per_tensor_pass = 8 if (fmt_name == "nvfp4" or block is None) else 0
+        per_tensor_pass = 8 if (fmt_name in fused.SCALED or block is None) else 0
         rows.append(timed(label, lambda: fused.rotate_feedback_quantize_triton(
             x, residual, fmt_name, block, rotation, 5, False),
             (12 + payload + per_tensor_pass) * n))
-    for fmt_name, block in (("nvfp4", None), ("fp8_e4m3", None), ("fp8_e4m3", 32)):
+    for fmt_name, block in (("nvfp4", None), ("int3", None), ("fp8_e4m3", None),
+                            ("fp8_e4m3", 32)):
         k = 8
         payloads = [fused.rotate_feedback_quantize_torch(torch.randn(m, device="cpu"), None,
                                                          fmt_name, block) for _ in range(k)]
@@ -174,7 +195,8 @@ def check_kernels(x, m, failures):
 
 # ---------------------------------------------------------------- GIFT's per-step path
 
-STEP_CODECS = (("fp8_e4m3", None), ("fp8_e4m3", 32), ("fp8_e5m2", None), ("nvfp4", None))
+STEP_CODECS = (("fp8_e4m3", None), ("fp8_e4m3", 32), ("fp8_e5m2", None), ("nvfp4", None),
+               ("int3", None))
 STEP_TRANSFORMS = ("none", "hadamard", "whiten+hadamard")
 IN_FEATURES, WHITENING_RANK, HADAMARD_BLOCK, SEED = 96, 16, 128, 5
 WHITEN_TOLERANCE = 1e-5      # of the largest magnitude in the tensor
@@ -351,7 +373,7 @@ def check_step_paths(elements, failures):
           flush=True)
     for n in (2, 4):
         for fmt, block in STEP_CODECS:
-            scaling = f" per {block}" if block else ("" if fmt == "nvfp4" else " per tensor")
+            scaling = f" per {block}" if block else ("" if fmt in fused.SCALED else " per tensor")
             label = fmt + scaling
             for rounding in ("nearest", "stochastic"):
                 for transform in STEP_TRANSFORMS:

@@ -1,14 +1,13 @@
 """Cross-rank checks through mpi4py, independent of the Horovod code under test."""
 from mpi4py import MPI
 
-from outcomes import digest  # noqa: F401 (the suites' digest)
+from outcomes import assert_identical, digest  # noqa: F401 (the suites' digest)
 
 COMM = MPI.COMM_WORLD
 
 
 def assert_identical_on_all_ranks(tensors, what="tensors"):
-    digests = COMM.allgather(digest(tensors))
-    assert len(set(digests)) == 1, f"{what} differ across ranks: {digests}"
+    assert_identical(tensors, what, COMM.allgather)
 
 
 def assert_same_on_all_ranks(value, what="value"):

@@ -1,5 +1,6 @@
 """What the multi-process suites share (mpi_tests/ under mpirun, torchrun_tests/ under torchrun):
-the exact bytes of tensors, and one outcome for every rank of a test. No engine is imported here:
+the exact bytes of tensors, the check that every rank holds the same ones, and one outcome for
+every rank of a test. No engine is imported here:
 each suite gathers across ranks with its own means (mpi4py; a gloo group of its own)."""
 import hashlib
 
@@ -14,6 +15,13 @@ def digest(tensors):
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def assert_identical(tensors, what, allgather):
+    """Every rank holds the same bytes in tensors; allgather(value) -> every rank's value in rank
+    order (each suite's own means, bound by its helpers.assert_identical_on_all_ranks)."""
+    digests = allgather(digest(tensors))
+    assert len(set(digests)) == 1, f"{what} differ across ranks: {digests}"
 
 
 def share_outcome(report, allgather):

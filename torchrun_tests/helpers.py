@@ -4,12 +4,11 @@ import torch
 from torch import nn
 
 from conftest import allgather as gathered
-from outcomes import digest
+from outcomes import assert_identical
 
 
 def assert_identical_on_all_ranks(tensors, what="tensors"):
-    digests = gathered(digest(tensors))
-    assert len(set(digests)) == 1, f"{what} differ across ranks: {digests}"
+    assert_identical(tensors, what, gathered)
 
 
 class Net(nn.Module):

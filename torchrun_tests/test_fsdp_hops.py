@@ -1,6 +1,6 @@
-"""GIFT under FSDP2 across nodes (horovod_gift/fsdp/hops.py): HSDP on a (replicas, shard) mesh,
-and two hops under 1-D FSDP, on gloo under torchrun as 2 nodes: 4 ranks as 2 x 2, 8 as 2 x 4
-(scripts/run_tests.sh runs this file at 4 and 8 ranks)."""
+"""GIFT under FSDP2 across nodes (reduce/topology.py's TwoHop and Hsdp, fsdp/state.py): HSDP on a
+(replicas, shard) mesh, and two hops under 1-D FSDP, on gloo under torchrun as 2 nodes: 4 ranks as 2
+x 2, 8 as 2 x 4 (scripts/run_tests.sh runs this file at 4 and 8 ranks)."""
 import functools
 
 import pytest

@@ -1,5 +1,5 @@
 """What every GIFT state of a model holds and does, whatever reduces its gradients: core.GiftCore
-(buckets, for Horovod and DDP) and fsdp.layout.FsdpGiftState (FSDP's rows) are its two kinds.
+(buckets, for Horovod and DDP) and fsdp.state.FsdpGiftState (FSDP's rows) are its two kinds.
 
 It holds the configuration, the codec, the whitening statistics, the counters and the step, and
 runs what a step shares in every engine: a loaded per-rank state applied once the ranks are
@@ -147,10 +147,16 @@ class GiftStateBase:
     def load_state_dict(self, state):
         """Load a state_dict(): the shared part now, the per-rank part at the next step (or now,
         where the ranks are known: apply_loaded); the ranks check they agree at that step."""
-        saved = dict(self.CONFIG_ADDED, **state["config"])
-        if saved != self.agreed():
-            raise ValueError(f"{self.label}.load_state_dict: saved with {saved}, "
-                             f"this state is {self.agreed()}")
+        saved, here = dict(self.CONFIG_ADDED, **state["config"]), self.agreed()
+        differ = sorted(k for k in saved.keys() | here.keys() if saved.get(k) != here.get(k))
+        if differ:
+            # "model" and "linear" are digests of the parameters' names and shapes and of the
+            # whitened layers: a checkpoint of another model differs there
+            raise ValueError(
+                f"{self.label}.load_state_dict: the checkpoint was saved with another "
+                f"{', '.join(differ)} (" + "; ".join(
+                    f"{k}: saved with {saved.get(k)!r}, here {here.get(k)!r}" for k in differ)
+                + "); load it into the model and options it was saved with")
         self.step = state["step"]
         self.statistics.load_state_dict(state["statistics"])
         self._pending_rank_state = state["rank_state"]

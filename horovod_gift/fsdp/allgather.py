@@ -17,7 +17,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 from ..codec.tensor_codec import Codec
 from ..torch_comm import ALL_GATHER
 from .internals import all_fsdp_params, param_group
-from .layout import GroupLayout
+from .state import GroupLayout
 
 
 class QuantizedAllGather(AllGather):

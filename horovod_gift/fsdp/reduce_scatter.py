@@ -7,11 +7,12 @@ the shard's owner, and only the owner keeps the result.
     fully_shard(model)
     state = attach(model, format="nvfp4")   # module.set_custom_reduce_scatter(GiftReduceScatter)
 
-Across nodes (hops.py): under 1-D FSDP, topology="auto" reduce-scatters in fp32 inside each
-node and quantizes only the hop across nodes, when LOCAL_WORLD_SIZE (or node_size=) makes several
-nodes of several ranks; under HSDP (fully_shard(..., mesh=init_device_mesh(device,
-(nodes, ranks_a_node), mesh_dim_names=("replicate", "shard")))) FSDP's reduce-scatter stays in
-the node and GIFT quantizes the all-reduce across replicas, which FSDP would send in fp32.
+Across nodes (the Topology of reduce/topology.py; state.py says how each is reduced): under 1-D
+FSDP, topology="auto" reduce-scatters in fp32 inside each node and quantizes only the hop across
+nodes, when LOCAL_WORLD_SIZE (or node_size=) makes several nodes of several ranks; under HSDP
+(fully_shard(..., mesh=init_device_mesh(device, (nodes, ranks_a_node),
+mesh_dim_names=("replicate", "shard")))) FSDP's reduce-scatter stays in the node and GIFT
+quantizes the all-reduce across replicas, which FSDP would send in fp32.
 
 FSDP2 lays a parameter group's gradients out as one buffer of `ranks` rows, row k holding every
 parameter's k-th dim-0 shard (padded), and reduce-scatters it. GiftReduceScatter does that in one
@@ -41,17 +42,16 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from ..config import GiftConfig, with_options
-from ..reduce.topology import TwoHop
+from ..reduce.topology import Flat, Hsdp
 from ..torch_comm import REDUCE_SCATTER, TorchCommunicator, torch_topology
 from .allgather import use_quantized_all_gather
-from .hops import Hsdp, OneHop, TwoHops
 from .internals import (
     hsdp_groups,
     param_group,
     reduce_across_replicas_in_gift,
     shard_group,
 )
-from .layout import FsdpGiftState, GroupLayout
+from .state import FsdpGiftState, GroupLayout
 
 __all__ = ["attach", "GiftReduceScatter", "FsdpGiftState", "GroupLayout"]
 
@@ -83,10 +83,10 @@ class GiftReduceScatter(ReduceScatter):
     def _fp32(self, output, buffer, group, op, async_op):
         """FSDP's own reduction in fp32: its reduce-scatter, and under HSDP the all-reduce
         across replicas that GIFT took from FSDP."""
-        if not isinstance(self.state.hops, Hsdp):
+        if not isinstance(self.state.topology, Hsdp):
             return REDUCE_SCATTER(output, buffer, op=op, group=group, async_op=async_op)
         REDUCE_SCATTER(output, buffer, op=op, group=group)
-        return dist.all_reduce(output, op=op, group=self.state.hops.cross.group,
+        return dist.all_reduce(output, op=op, group=self.state.topology.cross.group,
                                async_op=async_op)
 
 
@@ -112,7 +112,7 @@ def attach(model, config=None, **options):
     if not modules:
         raise ValueError("attach: the model has no fully_shard module; call fully_shard on its "
                          "layers and on the model first")
-    state.use(_hops([param_group(m) for m in modules], state, _device(model)))
+    state.use(_topology([param_group(m) for m in modules], state, _device(model)))
     for module in modules:
         module.set_custom_reduce_scatter(GiftReduceScatter(state, module))
     use_quantized_all_gather(modules, state.config.param_format, state.config.min_elements,
@@ -124,15 +124,15 @@ def _device(model):
     return next(model.parameters()).device
 
 
-def _hops(groups, state, device):
-    """The hops.py topology of the model's parameter groups (all on one mesh)."""
+def _topology(groups, state, device):
+    """The Topology of the model's parameter groups (all on one mesh)."""
     meshes = {(hsdp_groups(g) or (shard_group(g),)) for g in groups}
     if len(meshes) > 1:
         raise ValueError("attach: the fully_shard modules of this model lie on different meshes; "
                          "GIFT takes one data-parallel mesh for the whole model")
     (groups_of_mesh,) = meshes
     if len(groups_of_mesh) == 2:
-        return _hsdp_hops(groups, state, device, *groups_of_mesh)
+        return _hsdp(groups, state, device, *groups_of_mesh)
     group = groups_of_mesh[0]
     world = dist.get_world_size()
     spans_world = dist.get_process_group_ranks(group) == list(range(world))
@@ -141,12 +141,11 @@ def _hops(groups, state, device):
                          "of the default process group, in order; use topology='flat'")
     kind = state.config.topology if spans_world else "flat"
     topology = torch_topology(kind, state.config.node_size, None if spans_world else group, device)
-    if isinstance(topology, TwoHop):
-        return TwoHops(topology.comm, topology.node, topology.cross)
-    return OneHop(TorchCommunicator(group, device))
+    # one hop over FSDP's own group, as FSDP would reduce-scatter
+    return topology if topology.node is not None else Flat(TorchCommunicator(group, device))
 
 
-def _hsdp_hops(groups, state, device, shard, replicate):
+def _hsdp(groups, state, device, shard, replicate):
     if state.config.topology == "flat":
         raise ValueError("GIFT (FSDP): topology='flat' does not apply under HSDP: its mesh "
                          "makes the nodes (reduce-scatter inside, all-reduce across replicas)")

@@ -45,7 +45,7 @@ oversampling 10 / 20 / 40: at most -14 % / -1 % / -7 % with the EMA statistic
 hurts), and at most +6.1 % / +3.7 % / +4.2 % with the current batch's statistic, where whitening
 helps most (fidelity-sketch-current-batch.md). 20 is the smallest of these within +5 % in both.
 On a flat noise floor the whitened spectrum is flat only to a factor of a few
-(tests/test_sketch.py); l = in_features makes the sketch exact.
+(tests/geometry/test_sketch.py); l = in_features makes the sketch exact.
 """
 import functools
 import math

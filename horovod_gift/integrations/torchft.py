@@ -72,6 +72,7 @@ class GiftDiLoCo(DiLoCo):
                                  f"{instead}")
         self.config = GiftConfig.of(config, GiftConfig.for_diloco, options)
         self.config.refuse_for_diloco()
+        _check_outer_optimizers(model_fragments, outer_optimizer)
         super().__init__(manager, model_fragments, inner_optimizer, outer_optimizer,
                          sync_every, **diloco_options)
         node = self._node_communicator(group, model_fragments, manager)
@@ -125,6 +126,25 @@ class GiftDiLoCo(DiLoCo):
         """Bytes sent by this rank in the last sync of each fragment, and residual bytes."""
         return {"bytes_sent": [sync.bytes_sent for sync in self.syncs],
                 "residual_bytes": sum(sync.state.residual_bytes() for sync in self.syncs)}
+
+
+def _check_outer_optimizers(model_fragments, outer_optimizer):
+    """torchft steps a fragment's outer optimizer at that fragment's sync: one optimizer over
+    several fragments would also move the other fragments' parameters, by their inner
+    gradients (measured: Streaming DiLoCo on the example Llama diverged from step 500)."""
+    if len(model_fragments) == 1:
+        return
+    if not isinstance(outer_optimizer, (list, tuple)):
+        raise ValueError(f"GiftDiLoCo: one outer_optimizer for {len(model_fragments)} "
+                         "fragments would step every fragment's parameters at each fragment's "
+                         "sync; pass a list, one optimizer a fragment over its parameters")
+    for k, (fragment, optimizer) in enumerate(zip(model_fragments, outer_optimizer)):
+        mine = {id(p) for p in fragment.parameters()}
+        theirs = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if theirs != mine:
+            raise ValueError(f"GiftDiLoCo: outer_optimizer[{k}] does not hold exactly the "
+                             f"parameters of model_fragments[{k}]; pass one optimizer a "
+                             "fragment over its parameters")
 
 
 def shared_options(config):

@@ -14,8 +14,8 @@ And of the Manager:
 - `manager._group_world_size`: the ranks of this replica group (the Manager's world_size);
 - `manager._pg`: the process group across replicas (configured at each quorum); its wrappers
   (`ProcessGroupWrapper`) do not report their rank (`rank()` is 0), `parent.rank()` does.
-tests/test_torchft.py::test_the_private_torchft_attributes_gift_reads fails when torchft changes
-any of these.
+tests/integrations/test_torchft.py::test_the_private_torchft_attributes_gift_reads fails when
+torchft changes any of these.
 """
 from torchft.local_sgd import DiLoCo, _StreamingDiLoCoFragment
 from torchft.manager import Manager

@@ -304,7 +304,7 @@ class Fp32Reduction:
 
 
 class RowReduction:
-    """FSDP's quantized reduce-scatter of a group's rows (fsdp.layout.GroupLayout): row k of
+    """FSDP's quantized reduce-scatter of a group's rows (fsdp.state.GroupLayout): row k of
     every rank to comm's rank k, which decodes them and sums them in fp32, in rank order, as
     BucketReduction's stage 1 does, with no stage 2 (nobody else needs the sum). Tensors under
     min_elements (the layout's small ones) travel in fp32 in the same alltoall. residual: the

@@ -1,19 +1,26 @@
-"""How a bucket's reduction is laid over the ranks: one flat group, or nodes (two_hop.py).
+"""How GIFT's reductions are laid over the ranks, for every frontend: one flat group (Flat), nodes
+(TwoHop, two_hop.py) or HSDP's mesh (Hsdp). One family, one ABC (Topology):
 
-A topology makes each bucket's reduction and says which part of a bucket this rank's stage-2
-residual covers (ErrorFeedback folds it into r1 there, and a checkpoint saved under one topology
-is re-expressed under another through it). Its `description` is a tuple the checkpoint keeps:
-("flat",) or ("two-hop", ranks a node).
+- the core's bucket all-reduce (Horovod, DDP, DiLoCo) asks it for each bucket's reduction and
+  for the part of a bucket this rank's stage-2 residual covers (ErrorFeedback folds it into r1
+  there, and a checkpoint saved under one topology is re-expressed under another through it);
+- FSDP2's reduce-scatter (fsdp/state.py) asks it how many rows this rank quantizes, which
+  communicator the quantized hop takes (`across`) and whether an fp32 hop inside the node comes
+  first (`node`); under Hsdp the quantized hop is an all-reduce across replicas.
+Its `description` is a tuple the checkpoint keeps: ("flat",), ("two-hop", ranks a node) or
+("hsdp", ranks a shard group).
 
 Buckets smaller than the node size times the codec's alignment would leave a node chunk empty:
 they take the flat reduction in both topologies.
 """
+from abc import ABC, abstractmethod
+
 import torch
 
 from ..telemetry import logger
 from .collective import BucketReduction, bucket_pieces
+from .node_aware import NodeAwareCommunicator
 from .two_hop import TwoHopLayout, TwoHopReduction
-
 
 
 def takes_two_hops(sizes, node_size, codec):
@@ -94,39 +101,66 @@ def choose_topology(kind, node_size, comm, subset, launcher, node_comms, everyon
     return Flat(comm)
 
 
-class Flat:
-    """Every bucket reduced over comm, all ranks as one group (collective.py)."""
+class Topology(ABC):
+    """One way to lay GIFT's reductions over the ranks. comm: every rank; node: this rank's node
+    (its ranks in order) and cross: the ranks of its local rank, one a node (in node order), or
+    None where there is one hop."""
 
+    node = cross = None
     folds = True        # the rotation may add r1 in its own pass (TransformPlan.forward_folded)
+    description = ("flat",)
 
     def __init__(self, comm):
         self.comm = comm
-        self.description = ("flat",)
 
+    @abstractmethod
     def describe(self):
-        return "flat"
+        """The words stats() and the log give it."""
 
     def owned_pieces(self, sizes, codec):
+        """The (tensor, lo, hi) parts of a bucket whose stage-2 residual this rank holds."""
         return owned_pieces(self.description, sizes, self.comm.rank, self.comm.size, codec)
 
     def reduction(self, name, flats, codec, residual1, residual2, average, step, maxima, key,
                   divisor=None):
-        """The bucket's reduction (not started). divisor: what the sum is divided by, where it
+        """The bucket's all-reduce (not started). divisor: what the sum is divided by, where it
         is not the ranks of an average (torchft's participants, integrations/torchft.py)."""
         return BucketReduction(name, flats, codec, self.comm, residual1, residual2,
                                average=average, step=step, maxima=maxima, key=key,
                                divisor=divisor)
 
+    def quantized_rows(self, rows):
+        """How many of a reduce-scatter buffer's rows this rank quantizes (its residual's)."""
+        return rows // (self.node.size if self.node is not None else 1)
 
-class TwoHop(Flat):
-    """Buckets reduced in two hops (two_hop.py): comm holds every rank, node_size consecutive
-    ranks a node; node: the communicator of this rank's node (its ranks in order), cross: that of
-    the ranks of this local rank, one a node (in node order)."""
+    def across(self):
+        """The communicator of the quantized hop."""
+        return self.cross if self.cross is not None else self.comm
+
+    def statistics_comm(self):
+        """The communicator of the whitening statistics' refresh (collective to make): across
+        nodes it crosses each node's link once (node_aware.py)."""
+        if self.node is None:
+            return self.comm
+        return NodeAwareCommunicator(self.comm, self.node, self.cross)
+
+
+class Flat(Topology):
+    """Every bucket reduced over comm, all ranks as one group (collective.py)."""
+
+    def describe(self):
+        return "flat"
+
+
+class TwoHop(Topology):
+    """Two hops (two_hop.py): fp32 inside the node, quantized across nodes, node_size
+    consecutive ranks a node."""
 
     folds = False       # the node's sum is quantized, not u: r1 is added to it
 
     def __init__(self, comm, node, cross):
-        self.comm, self.node, self.cross = comm, node, cross
+        super().__init__(comm)
+        self.node, self.cross = node, cross
         self.description = ("two-hop", node.size)
 
     def describe(self):
@@ -139,3 +173,16 @@ class TwoHop(Flat):
                                      maxima, key, divisor)
         return TwoHopReduction(name, flats, codec, self.node, self.cross, residual1, residual2,
                                average=average, step=step, key=key, divisor=divisor)
+
+
+class Hsdp(TwoHop):
+    """HSDP's (replicas, shard) mesh: node, the shard group FSDP reduce-scatters over in fp32;
+    cross, the replicate group, over which the quantized hop is an all-reduce of the node's row
+    (FSDP's own would send it in fp32)."""
+
+    def __init__(self, comm, node, cross):
+        super().__init__(comm, node, cross)
+        self.description = ("hsdp", node.size)
+
+    def describe(self):
+        return f"HSDP: {self.cross.size} replicas x {self.node.size} shards"

@@ -1,7 +1,30 @@
 """The state and the reduce-scatter of GIFT under FSDP2 (reduce_scatter.py is the frontend and
 says how it works): where each parameter lies in a group's buffers (GroupLayout), and
 FsdpGiftState, which holds the codec, the whitening statistics, the residuals and the step count
-of one model, and quantizes rows; hops.py lays the reduction over nodes."""
+of one model, and reduces a group's rows over the ranks as its Topology (reduce/topology.py)
+lays them:
+
+  Flat      1-D FSDP, one hop: every rank quantizes all P rows, sends row k to rank k, which
+            decodes P payloads and sums them in fp32.
+  TwoHop    1-D FSDP over N x L ranks: an fp32 reduce-scatter inside the node first (local rank l
+            receives rows l, L + l, 2L + l, ... of its L node mates and sums them), then the
+            quantized hop of those N rows among the N ranks of local rank l, one a node. A rank
+            quantizes N rows: 1/L of the group, and so holds 1/L of the one-hop residual.
+  Hsdp      HSDP, mesh (replicas, shard): FSDP's reduce-scatter over the shard group (the node)
+            stays in fp32, made by GIFT (internals.reduce_across_replicas_in_gift takes
+            FSDP's own fp32 all-reduce across replicas away); its one row is then all-reduced
+            across the N replicas, quantized: collective.BucketReduction (stage 1 to each
+            1/N's owner, fp32 sum, stage 2 re-quantized and allgathered), so every replica ends
+            with the same bits. One residual, r1 over the row (1/L of the group, residual_dtype):
+            stage 2's error, over the owner's 1/N of the row, is folded into r1's same elements
+            (times the divisor) once the reduction finishes, and re-enters the next step's sum
+            through stage 1. A residual of its own would hold 1/N more; folding only at refresh
+            steps (what 0.3's HSDP did) costs it as well.
+
+Bytes across a node's link per gradient element a step (b: bits an element, scales included):
+Flat (P - L) / P * b / 8 * L; TwoHop (N - 1) / N * b / 8; Hsdp 2 (N - 1) / N * b / 8, against
+HSDP's own 2 (N - 1) / N * 2 in bf16.
+"""
 import numpy as np
 import torch
 
@@ -9,15 +32,24 @@ from ..codec.tensor_codec import TensorPieces
 from ..config import GiftConfig
 from ..core.state_base import NOTHING_PENDING, GiftStateBase, fingerprint
 from ..geometry.linear_layers import linear_readers
-from ..reduce.collective import RowReduction, mix_seed, name_key
-from ..reduce.feedback import scrub
+from ..reduce.collective import (
+    BucketLayout,
+    BucketReduction,
+    Fp32Reduction,
+    RowReduction,
+    mix_seed,
+    name_key,
+    timed_wait,
+)
+from ..reduce.feedback import fold_into, scrub
+from ..reduce.topology import Hsdp
 from ..telemetry import logger
 from .internals import param_group, trained_fsdp_params
 
 
 class GroupLayout:
     """An FSDP group's rows that one rank quantizes (`ranks` of them: all of FSDP's buffer in one
-    hop, 1/L of it in two, hops.py), each of `shard` elements, row k holding every
+    hop, 1/L of it in two, Topology.quantized_rows), each of `shard` elements, row k holding every
     parameter's k-th shard (shards[i] elements at offsets[i]); the bytes GIFT sends for them:
     rows of row_bytes, parameter i's piece at byte_offsets[i] (codec payloads, or fp32 for
     the small ones, each rounded up to 4 bytes). pieces: the codec pieces of every row, for
@@ -56,8 +88,8 @@ class FsdpGiftState(GiftStateBase):
 
     error_feedback: see reduce_scatter.py and benchmarks/results/fsdp_feedback.md. topology:
     "auto" (two hops under 1-D FSDP when LOCAL_WORLD_SIZE, or node_size, makes several nodes of
-    several ranks), "flat" or "two-hop"; under HSDP the mesh gives the nodes (hops.py). attach()
-    sets `hops`. param_format: None (FSDP's fp32 parameter all-gather) or "fp8_e4m3"
+    several ranks), "flat" or "two-hop"; under HSDP the mesh gives the nodes. attach() sets
+    `topology`. param_format: None (FSDP's fp32 parameter all-gather) or "fp8_e4m3"
     (allgather.py).
     """
 
@@ -78,19 +110,19 @@ class FsdpGiftState(GiftStateBase):
         self.modules = []       # the fully_shard modules whose reduce-scatter is GIFT's
         self.layouts, self.residuals = {}, {}   # module id -> GroupLayout; layout key -> r1
         self.unwhitened = set()  # whitenable weights FSDP shards on another dim than rows
-        self.hops = None         # set by attach (hops.py)
+        self.topology = None     # set by attach (reduce/topology.py)
         self._task = None        # the autograd graph task of the step under way
         self.device = None       # the gradients' (from the first reduce-scatter)
         self._bounds = []        # this step's bounds on the encodes' magnitudes (scrub)
         self._partial = set()    # groups reduced in fp32 (a parameter had no gradient), warned
 
     # ---------------------------------------------------------------- layout and step
-    def use(self, hops):
-        """Reduce through hops (hops.py): its comm holds every rank; the statistics take the
-        communicator hops gives them (collective)."""
-        self.hops = hops
-        self.set_comm(hops.comm)
-        self.statistics.comm = hops.statistics_comm()
+    def use(self, topology):
+        """Reduce as topology lays it: its comm holds every rank; the statistics take the
+        communicator it gives them (collective)."""
+        self.topology = topology
+        self.set_comm(topology.comm)
+        self.statistics.comm = topology.statistics_comm()
 
     def begin(self, module, buffer, group):
         """At each reduce-scatter: the step's start at a backward's first (_begin_step); the
@@ -120,7 +152,7 @@ class FsdpGiftState(GiftStateBase):
                                if dim != 0)   # rows not sharded whole
         shards = [shard for _, _, shard in fsdp_params]
         small = [self.params[n].numel() < self.config.min_elements for n in names]
-        return GroupLayout(names, shards, small, self.hops.quantized_rows(rows), self.codec)
+        return GroupLayout(names, shards, small, self.topology.quantized_rows(rows), self.codec)
 
     def _begin_step(self):
         """At a backward's first reduce-scatter: the rank check (first step), the statistics'
@@ -152,7 +184,7 @@ class FsdpGiftState(GiftStateBase):
 
     def describe(self):
         return (f"GIFT (FSDP) {self.codec.format}, transform={self.config.transform}, "
-                f"{self.hops.describe()}: {len(self.statistics.whitening)} weights whitened")
+                f"{self.topology.describe()}: {len(self.statistics.whitening)} weights whitened")
 
     def _whitened(self, layout):
         return [(i, self.statistics.whitening[n]) for i, n in enumerate(layout.names)
@@ -160,9 +192,18 @@ class FsdpGiftState(GiftStateBase):
 
     # ---------------------------------------------------------------- the reduce-scatter
     def reduce_scatter(self, layout, output, buffer, divisor):
-        """output <- this rank's row of the sum (divided by divisor) of every rank's buffer."""
+        """output <- this rank's row of the sum (divided by divisor) of every rank's buffer:
+        fp32 inside the node first where the topology has nodes, then the quantized hop."""
         work = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
-        output.copy_(self.hops.reduce(self, layout, work.view(-1, layout.shard), divisor))
+        rows, topology = work.view(-1, layout.shard), self.topology
+        if topology.node is not None:
+            rows = node_reduce_scatter(rows, topology.node, self.telemetry)
+        self.whiten(layout, rows)
+        if isinstance(topology, Hsdp):
+            mine = self._replica_allreduce(layout, rows.view(-1), divisor)
+        else:
+            mine = self.quantized_reduce_scatter(layout, rows, topology.across(), divisor)
+        output.copy_(self.unwhiten(layout, mine))
 
     def whiten(self, layout, rows):
         """Whitening of every row's linear weights, in place (whole rows of each weight)."""
@@ -192,9 +233,50 @@ class FsdpGiftState(GiftStateBase):
         self.telemetry.add(**reduction.counts)
         return mine
 
-    def add_bounds(self, bounds):
-        """Bounds on the magnitudes of this step's encodes with a residual (_end_step's scrub)."""
-        self._bounds += bounds
+    def _replica_allreduce(self, layout, row, divisor):
+        """Hsdp's quantized hop: the node's row all-reduced across replicas (the module
+        docstring); small parameters in fp32."""
+        cross = self.topology.cross
+        coded = [i for i, tiny in enumerate(layout.small) if not tiny and layout.shards[i]]
+        small = [i for i, tiny in enumerate(layout.small) if tiny and layout.shards[i]]
+        flats = [_part(row, layout, i) for i in coded]
+        residual = self.residual(layout, row.device)
+        wide = None if residual is None else residual.to(torch.float32)
+        bucket = BucketLayout.of(tuple(f.numel() for f in flats), cross.size, self.codec.align)
+        # stage 2's error on the part this rank owns: fp32, for this step only
+        second = None if wide is None or not flats else torch.zeros(
+            bucket.owned[cross.rank], dtype=torch.float32, device=row.device)
+        reduction = BucketReduction(
+            "gift.fsdp.replicas", flats, self.codec, cross,
+            residual1=None if wide is None else [_part(wide, layout, i) for i in coded],
+            residual2=second, step=self.step, key=layout.key, divisor=divisor)
+        fp32 = None
+        if flats:
+            reduction.start()
+        if small:
+            fp32 = Fp32Reduction("gift.fsdp.replicas.fp32",
+                                 torch.cat([_part(row, layout, i) for i in small]), cross,
+                                 divisor).start()
+        if flats:
+            reduction.exchange().finish(over_inputs=True)
+            self._bounds += reduction.amax_bounds
+        if second is not None:    # r1[owned part] += divisor * e2: the sum was divided by it
+            fold_into([_part(wide, layout, i) for i in coded], second,
+                      bucket.pieces[cross.rank], divisor)
+        if residual is not None and wide is not residual:
+            residual.copy_(wide)
+        if fp32 is not None:
+            summed, offset = fp32.finish(), 0
+            for i in small:
+                _part(row, layout, i).copy_(summed[offset:offset + layout.shards[i]])
+                offset += layout.shards[i]
+            self.telemetry.add(bytes_sent=2 * 4 * fp32.chunk * (cross.size - 1))
+        coded_elements = sum(f.numel() for f in flats)
+        self.telemetry.add(elements=row.numel(), bytes_sent=reduction.bytes_sent,
+                           payload_bytes=self.codec.payload_bytes(coded_elements)
+                           if coded_elements else 0,
+                           wait_seconds=reduction.wait_seconds)
+        return row
 
     def residual(self, layout, device):
         if not self.config.error_feedback:
@@ -219,7 +301,7 @@ class FsdpGiftState(GiftStateBase):
 
     # ---------------------------------------------------------------- checks and checkpoints
     def topology_description(self):
-        return self.hops.description
+        return self.topology.description
 
     def agreed(self):
         shapes = [(n, tuple(p.shape)) for n, p in self.params.items()]
@@ -228,14 +310,14 @@ class FsdpGiftState(GiftStateBase):
 
     def _rank_state(self):
         return {"rank": self.comm.rank, "ranks": self.comm.size,
-                "topology": self.hops.description,
+                "topology": self.topology.description,
                 "residuals": {k: r.to("cpu", copy=True) for k, r in self.residuals.items()},
                 "statistics": self.statistics.local_state_dict()}
 
     def _load_rank_state(self, saved):
         self._pending_rank_state = NOTHING_PENDING
         saved = saved or {}
-        here = (self.comm.rank, self.comm.size, self.hops.description)
+        here = (self.comm.rank, self.comm.size, self.topology.description)
         if (saved.get("rank"), saved.get("ranks"), saved.get("topology", ("flat",))) != here:
             if self.comm.rank == 0:
                 logger.warning("GIFT (FSDP).load_state_dict: no residuals of this rank in this "
@@ -251,5 +333,26 @@ class FsdpGiftState(GiftStateBase):
         """GIFT's counters (core.GiftCore.stats), the topology, and residual_bytes: what this
         rank's error-feedback residuals hold."""
         residuals = list(self.residuals.values())
-        return dict(self.telemetry.stats(self.step, {}), topology=self.hops.describe(),
+        return dict(self.telemetry.stats(self.step, {}), topology=self.topology.describe(),
                     residual_bytes=sum(r.numel() * r.element_size() for r in residuals))
+
+
+def _part(flat, layout, i):
+    """Parameter i's part of one row (flat)."""
+    return flat[layout.offsets[i]:layout.offsets[i] + layout.shards[i]]
+
+
+def node_reduce_scatter(rows, node, telemetry):
+    """rows: (R L, shard) fp32, row m L + l bound for local rank l of node m. Returns this local
+    rank's R rows summed over the node's ranks in local-rank order, (R, shard) fp32: one fp32
+    alltoall inside the node."""
+    per_node = node.size
+    count, shard = rows.shape[0] // per_node, rows.shape[1]
+    send = rows.view(count, per_node, shard).transpose(0, 1).contiguous()
+    splits = torch.full((per_node,), count * shard, dtype=torch.int32, device="cpu")
+    (received, _), seconds = timed_wait(node.alltoall_async(send.view(-1), splits,
+                                                            "gift.fsdp.node"))
+    summed = received.view(per_node, count, shard).sum(0)
+    telemetry.add(node_bytes_sent=send.numel() * 4 * (per_node - 1) // per_node,
+                  wait_seconds=seconds)
+    return summed

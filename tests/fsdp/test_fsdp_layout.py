@@ -1,12 +1,12 @@
-"""The arithmetic of GIFT's FSDP layouts (fsdp.layout.GroupLayout) in one process: where each
+"""The arithmetic of GIFT's FSDP layouts (fsdp.state.GroupLayout) in one process: where each
 parameter's shard lies in FSDP's rows and in the bytes GIFT sends, for the one-hop (every row),
-two-hop (N rows a rank) and HSDP (one row) reductions of fsdp/hops.py."""
+two-hop (N rows a rank) and HSDP (one row) reductions of fsdp/state.py."""
 import numpy as np
 import pytest
 import torch
 
 from horovod_gift.codec.tensor_codec import Codec
-from horovod_gift.fsdp.layout import GroupLayout
+from horovod_gift.fsdp.state import GroupLayout
 
 SHARDS = [96 * 32, 96, 32 * 96, 32, 64, 2048]         # a group's padded shards, FSDP's order
 SMALL = [False, True, False, True, True, False]       # under min_elements: fp32 on the wire

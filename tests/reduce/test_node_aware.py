@@ -3,7 +3,7 @@ sums and broadcasts as one flat group, the same bits on every rank, and 1/L of a
 root's local rank only, for a broadcast) across the nodes."""
 import pytest
 import torch
-from test_core import run_ranks
+from ranks import run_ranks
 
 from horovod_gift.reduce.communicator import LocalGroup
 from horovod_gift.reduce.node_aware import SMALL, NodeAwareCommunicator
@@ -25,7 +25,7 @@ class CountingCommunicator:
 
 
 def run_nodes(nodes, per_node, work, shuffled=False):
-    """work(rank, NodeAwareCommunicator) on every rank, one thread a rank (test_core.run_ranks:
+    """work(rank, NodeAwareCommunicator) on every rank, one thread a rank (ranks.run_ranks:
     its group is the world); rank = node * per_node + local, or node and local rank taken from
     a shuffled placement. (what each returned, its cross communicator)."""
     ranks = nodes * per_node

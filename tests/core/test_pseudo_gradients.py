@@ -1,7 +1,6 @@
 """DiLoCo's pseudo-gradients through GIFT's reduction (core/pseudo_gradients.py), on threaded
 ranks of one process: identical bits, the participants' average, two hops that send 1/L across
 replicas, and residuals that change only when a step commits."""
-import threading
 
 import torch
 
@@ -10,6 +9,8 @@ from horovod_gift.core.pseudo_gradients import PseudoGradientState
 from horovod_gift.integrations.torchft import RankNumbering
 from horovod_gift.reduce.communicator import LocalGroup
 from horovod_gift.reduce.topology import Flat, TwoHop
+
+import ranks
 
 SHAPES = {"a.weight": (64, 96), "b.weight": (40, 64), "b.bias": (40,)}
 
@@ -24,18 +25,8 @@ def state(**options):
 
 
 def in_threads(n, work):
-    out = [None] * n
-
-    def run(k):
-        try:
-            out[k] = work(k)
-        except Exception as error:     # the test reads each rank's outcome
-            out[k] = error
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    """ranks.in_threads, raising the first rank's error."""
+    out = ranks.in_threads(n, work)
     for value in out:
         if isinstance(value, Exception):
             raise value

@@ -20,16 +20,33 @@ WIDTH = 64
 
 
 class FaultyGloo(ProcessGroupGloo):
-    """torchft's gloo process group whose next alltoall raises once `fail` is set: a collective
-    that fails on one replica (the others then time out in theirs)."""
+    """torchft's gloo process group whose next alltoall raises once `fail` is set (a collective
+    that fails on one replica: the others then time out in theirs), and which counts in `sent`
+    the bytes this rank hands its collectives for the other ranks, whoever calls them (GIFT or
+    torchft): an all-reduce 2 (n - 1) / n of its tensors (a ring's share), an all-gather n - 1
+    copies of its input, an alltoall all but its own split."""
 
     fail = False
+    sent = 0
 
-    def alltoall_base(self, *args, **kwargs):
+    def allreduce(self, tensors, opts):
+        n = self.size()
+        self.sent += sum(t.nbytes for t in tensors) * 2 * (n - 1) // n
+        return super().allreduce(tensors, opts)
+
+    def allgather(self, output_tensors, input_tensor, opts):
+        self.sent += sum(t.nbytes for t in input_tensor) * (self.size() - 1)
+        return super().allgather(output_tensors, input_tensor, opts)
+
+    def alltoall_base(self, output_buffer, input_buffer, output_split_sizes, input_split_sizes,
+                      opts):
         if self.fail:
             self.fail = False
             raise RuntimeError("alltoall failed: injected by the test")
-        return super().alltoall_base(*args, **kwargs)
+        own = input_split_sizes[self.parent.rank()] * input_buffer[0].nbytes
+        self.sent += input_buffer.nbytes - own
+        return super().alltoall_base(output_buffer, input_buffer, output_split_sizes,
+                                     input_split_sizes, opts)
 
 
 def make_model(seed=0):
@@ -49,9 +66,10 @@ def batch(replica, step):
 class Replica:
     """What one replica group's training left: its global weights (each fragment's DiLoCo
     backup: what every replica agrees on), its GiftDiLoCo (or None), the state saved at
-    save_at, or the error it raised."""
+    save_at, the error it raised, and the bytes its process group sent (FaultyGloo.sent)."""
 
     weights = engine = saved = error = None
+    sent = 0
 
 
 def train_replica(replica, lighthouse, initial, run, barrier):
@@ -123,6 +141,7 @@ def train_replica(replica, lighthouse, initial, run, barrier):
     out.weights = {f"{k}.{n}": t.clone() for k, fragment in enumerate(engine._fragments)
                    for n, t in fragment.original_parameters.items()}
     out.engine = engine if gift is not None else None
+    out.sent = pg.sent
     return out
 
 

@@ -9,7 +9,7 @@ one would round a * b + c once where the torch references round twice (the inter
 that). The compiled kernels run and are checked bit for bit against the torch references by
 benchmarks/gpu_check.py on a machine with a GPU.
 
-    .venv/bin/python tests/test_gpu_compile.py     # the same check, printing every variant
+    .venv/bin/python tests/kernels/test_gpu_compile.py     # the same check, printing every variant
 """
 import os
 import re

@@ -1,7 +1,7 @@
 """GiftDiLoCo (integrations/torchft.py) over a real torchft Lighthouse, Managers and gloo process
-groups, replicas as threads (tests/torchft_replicas.py): the same global weights on every
-replica, close to torchft's own DiLoCo, fewer bytes, a failed collective that discards the step
-on every replica and no hang, and DiLoCo's options honoured or refused by name."""
+groups, replicas as threads (torchft_replicas.py, beside this file): the same global weights on
+every replica, close to torchft's own DiLoCo, fewer bytes, a failed collective that discards the
+step on every replica and no hang, and DiLoCo's options honoured or refused by name."""
 import inspect
 import logging
 from unittest import mock
@@ -29,16 +29,21 @@ def distance(a, b):
 
 def test_replicas_agree_bit_for_bit_and_follow_torchfts_diloco():
     gift = run_replicas(steps=16, gift=dict(format="int3"), fragments=2)
-    plain = run_replicas(steps=16, fragments=2)[0].weights
+    fp32 = run_replicas(steps=16, fragments=2)
+    plain = fp32[0].weights
     w0, w1 = gift[0].weights, gift[1].weights
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     assert distance(w0, plain) < 0.1, distance(w0, plain)
     # error feedback is what keeps INT3 near fp32's outer steps
     without = run_replicas(steps=16, gift=dict(format="int3", error_feedback=False), fragments=2)
     assert distance(w0, plain) < 0.6 * distance(without[0].weights, plain)
-    # INT3 against fp32: a tenth of the bytes of the weights' all-reduce, each fragment
-    sent, elements = gift[0].engine.stats()["bytes_sent"], [64 * 64 + 64, 64 * 64 + 64 + 65]
-    assert all(b < 0.15 * 2 * 4 * m / 2 for b, m in zip(sent, elements)), sent
+    # INT3 against fp32: about a tenth of the bytes torchft's DiLoCo hands the same process
+    # group (counted there, whoever sends them: GIFT's fingerprints and small tensors included)
+    assert all(0 < g.sent < 0.15 * f.sent for g, f in zip(gift, fp32)), (
+        [g.sent for g in gift], [f.sent for f in fp32])
+    # and GIFT's own count of the last sync agrees with what reached the process group
+    last = sum(gift[0].engine.stats()["bytes_sent"])
+    assert 0.2 * gift[0].sent / 4 < last <= gift[0].sent / 4, (last, gift[0].sent)
 
 
 def test_a_failed_collective_discards_the_step_on_every_replica_and_training_goes_on(caplog):
@@ -103,6 +108,21 @@ def test_options_that_do_not_apply_are_refused_by_name(option, value, words):
     manager._use_async_quorum = False
     with pytest.raises(ValueError, match=words):
         GiftDiLoCo(manager, [model], inner, outer, 4, **{option: value})
+
+
+def test_an_outer_optimizer_that_spans_fragments_is_refused():
+    """torchft would step it at each fragment's sync over the other fragment's parameters too."""
+    model = make_model()
+    parts = [model[:2], model[2:]]
+    inner = torch.optim.AdamW(model.parameters())
+    manager = mock.create_autospec(Manager, instance=True)
+    manager._use_async_quorum = False
+    with pytest.raises(ValueError, match="one outer_optimizer for 2 fragments"):
+        GiftDiLoCo(manager, parts, inner, torch.optim.SGD(model.parameters(), lr=0.7), 4)
+    swapped = [torch.optim.SGD(part.parameters(), lr=0.7) for part in reversed(parts)]
+    with pytest.raises(ValueError, match=r"outer_optimizer\[0\] does not hold exactly"):
+        GiftDiLoCo(manager, parts, inner, swapped, 4)
+    GiftDiLoCo(manager, parts, inner, [torch.optim.SGD(p.parameters(), lr=0.7) for p in parts], 4)
 
 
 def test_the_private_torchft_attributes_gift_reads():

@@ -3,6 +3,7 @@ running the smallest frontend there is (LocalFrontend below), so the core's guar
 checked without Horovod or torch.distributed: every rank ends a step with the same bits, a
 resume at a refresh step is bit for bit, ranks that differ raise on every rank, and a non-finite
 gradient comes back NaN everywhere without poisoning the next step."""
+import logging
 import threading
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from horovod_gift.core.gift_core import GiftCore
 from horovod_gift.reduce.communicator import LocalGroup
 from horovod_gift.reduce.topology import Flat
+from ranks import run_ranks
 
 DIM, BATCH = 64, 16
 SEEDING = threading.Lock()      # the ranks' threads share torch's global generator
@@ -68,25 +70,6 @@ class LocalFrontend:
                               / self.comm.size)
         core.end_step()
         return {n: g.clone() for n, g in grads.items()}
-
-
-def run_ranks(n, work):
-    """work(rank, comm) on every rank of a threaded LocalGroup; what each returned, or the
-    exception each raised."""
-    comms = LocalGroup(n, threads=True, timeout=60).communicators()
-    out = [None] * n
-
-    def run(rank):
-        try:
-            out[rank] = work(rank, comms[rank])
-        except Exception as error:     # every rank's error is what the tests look at
-            out[rank] = error
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(n)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return out
 
 
 def train(rank, comm, steps, options=(), state=None, first=0, poison_at=None):
@@ -172,3 +155,50 @@ def test_a_non_finite_gradient_comes_back_nan_everywhere_and_the_next_step_is_cl
         assert not torch.isfinite(poisoned["0.weight"]).all()
         assert torch.isfinite(poisoned["2.weight"]).all()     # its own pieces and scales
         assert all(torch.isfinite(g).all() for g in out[rank][3].values()), rank
+
+
+def test_a_checkpoint_of_another_model_or_options_is_refused_naming_what_differs():
+    def saved(rank, comm):
+        frontend = LocalFrontend(make_model(), comm)
+        frontend.backward(0)
+        frontend.step()
+        return frontend.core.state_dict()
+    state = run_ranks(2, saved)[0]
+    wider = torch.nn.Sequential(torch.nn.Linear(DIM, 3 * DIM), torch.nn.GELU(),
+                                torch.nn.Linear(3 * DIM, DIM))
+    comm = LocalGroup(1).communicators()[0]     # loaded, never stepped
+    with pytest.raises(ValueError, match=r"saved with another model \(model: saved with '"):
+        GiftCore(wider, comm, min_elements=1024).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"another format \(format: saved with 'nvfp4', "
+                                         r"here 'fp8_e4m3'\)"):
+        GiftCore(make_model(), comm, min_elements=1024, format="fp8_e4m3").load_state_dict(state)
+    GiftCore(make_model(), comm, min_elements=1024).load_state_dict(state)   # its own loads
+
+
+def test_a_resume_on_another_number_of_ranks_warns_once_and_trains_on(caplog):
+    """A checkpoint of 2 ranks loaded on 4: the shared part (step, statistics) is kept, the
+    residuals restart at zero with one warning, and the 4 ranks train on with the same bits."""
+    caplog.set_level(logging.WARNING, logger="horovod_gift")
+    saved = [r[1] for r in run_ranks(2, lambda rank, comm: train(rank, comm, steps=4))]
+    x = torch.randn(4 * BATCH, DIM, generator=torch.Generator().manual_seed(7))
+
+    def resumed(rank, comm):
+        frontend = LocalFrontend(make_model(), comm)
+        frontend.core.load_state_dict(saved[rank % 2])
+        optimizer = torch.optim.SGD(frontend.model.parameters(), lr=2.0)
+        losses = []
+        for step in range(4, 10):
+            with torch.no_grad():
+                losses.append(frontend.model(x).square().mean().item())
+            frontend.backward(step)
+            frontend.step()
+            optimizer.step()
+        return losses, [p.detach().clone() for p in frontend.model.parameters()], \
+            frontend.core.step
+    out = run_ranks(4, resumed)
+    for losses, weights, step in out:
+        assert step == 10
+        assert losses[-1] < 0.8 * losses[0], losses
+        assert all(torch.equal(a, b) for a, b in zip(weights, out[0][1]))
+    warned = [r.message for r in caplog.records if "restart at zero" in r.message]
+    assert len(warned) == 1 and "saved by rank 0 of 2, this is rank 0 of 4" in warned[0], warned

@@ -14,7 +14,7 @@ from horovod_gift.geometry import sketch
 from horovod_gift.hvd.comm import HorovodCommunicator
 from horovod_gift.geometry.sketch import NystromSketch, sketching_matrix
 from horovod_gift.geometry.statistics import WhiteningStatistics
-from test_geometry import spiked_activations
+from test_whitening import spiked_activations
 
 # test_geometry has put benchmarks/ on the path
 from dense_whitening import DenseCovariance  # noqa: E402
@@ -58,10 +58,11 @@ def test_sketch_finds_the_top_eigenpairs_of_a_decaying_spectrum():
 
 
 def test_sketch_whitening_on_a_flat_noise_floor_tends_to_the_dense_one():
-    """Rank-8 spikes over a flat diagonal noise floor (tests/test_geometry.py): the Nystrom error in
-    the spike directions is about the noise mass beyond l over the oversampling, so at the default
-    l = 28 of 96 the whitened spectrum is flat only to a factor of a few; with l = in_features the
-    sketch is exact and whitens as the dense statistic does (up to fp32 rounding)."""
+    """Rank-8 spikes over a flat diagonal noise floor (geometry/test_whitening.py): the Nystrom
+    error in the spike directions is about the noise mass beyond l over the oversampling, so at the
+    default l = 28 of 96 the whitened spectrum is flat only to a factor of a few; with l =
+    in_features the sketch is exact and whitens as the dense statistic does (up to fp32
+    rounding)."""
     x = spiked_activations()
     common = dict(rank=8, damping=1e-3, sqrt="diagonal")   # the floor's spread kept by isotropic
     dense = gift.InputWhitening(96, statistic=DenseCovariance(96), **common)
