@@ -16,6 +16,7 @@ weights) every N steps, with the clock stopped. Bytes: this process's interface 
 (/proc/self/net/dev: wire bytes with headers and ACKs, the lighthouse's heartbeats included).
 """
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -140,7 +141,7 @@ class Replica:
     def run(self):
         args, rows, evals = self.args, [], []
         clock = 0.0
-        context = self.engine if self.engine is not None else _Nothing()
+        context = self.engine if self.engine is not None else contextlib.nullcontext()
         with context:
             for step in range(1, args.steps + 1):
                 x, y = self.data.next()
@@ -162,14 +163,6 @@ class Replica:
             self.manager.shutdown(wait=False)
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *_):
-        return False
 
 
 def main():

@@ -113,39 +113,29 @@ def check_kernels(x, m, failures):
             if not same_bits(fp8.fp8_decode_triton(c_cpu.to(DEVICE), s_cpu.to(DEVICE), spec, block),
                              fp8.fp8_decode_torch(c_cpu, s_cpu, spec, block)):
                 failures.append(f"decode {label}")
-    for sr in (False, True):
-        label = f"nvfp4 encode{' SR' if sr else ''}"
-        ts = nvfp4.nvfp4_tensor_scale_torch(xs.abs().amax()).reshape(1)
-        check(f"{label} ", lambda: nvfp4.nvfp4_encode_triton(xg, ts.to(DEVICE), 3, sr),
-              lambda: nvfp4.nvfp4_encode_torch(xs, ts, 3, sr), failures)
-        big_ts = nvfp4.nvfp4_tensor_scale_torch(x.abs().amax()).reshape(1)
-        packed, sc = nvfp4.nvfp4_encode_triton(x, big_ts, 3, sr)
-        rows.append(timed(label, lambda: nvfp4.nvfp4_encode_triton(x, big_ts, 3, sr), 4.5625 * n))
-        rows.append(timed("nvfp4 decode", lambda: nvfp4.nvfp4_decode_triton(packed, sc, big_ts, n),
-                          4.5625 * n))
-        p_cpu, s_cpu = nvfp4.nvfp4_encode_torch(xs, ts, 3, sr)
-        if not same_bits(nvfp4.nvfp4_decode_triton(p_cpu.to(DEVICE), s_cpu.to(DEVICE),
-                                                   ts.to(DEVICE), m),
-                         nvfp4.nvfp4_decode_torch(p_cpu, s_cpu, ts, m)):
-            failures.append("nvfp4 decode")
-    for sr in (False, True):
-        label = f"int3 encode{' SR' if sr else ''}"
-        ts = int3.int3_tensor_scale_torch(xs.abs().amax()).reshape(1)
-        check(f"{label} ", lambda: int3.int3_encode_triton(xg, ts.to(DEVICE), 3, sr),
-              lambda: int3.int3_encode_torch(xs, ts, 3, sr), failures)
-        big_ts = int3.int3_tensor_scale_torch(x.abs().amax()).reshape(1)
-        packed, sc = int3.int3_encode_triton(x, big_ts, 3, sr)
-        # 3 bits a code + one E4M3 scale a block of 32
-        payload = 3 / 8 + 1 / int3.BLOCK
-        rows.append(timed(label, lambda: int3.int3_encode_triton(x, big_ts, 3, sr),
-                          (4 + payload) * n))
-        rows.append(timed("int3 decode", lambda: int3.int3_decode_triton(packed, sc, big_ts, n),
-                          (4 + payload) * n))
-        p_cpu, s_cpu = int3.int3_encode_torch(xs, ts, 3, sr)
-        if not same_bits(int3.int3_decode_triton(p_cpu.to(DEVICE), s_cpu.to(DEVICE),
-                                                 ts.to(DEVICE), m),
-                         int3.int3_decode_torch(p_cpu, s_cpu, ts, m)):
-            failures.append("int3 decode")
+    # the E4M3-scaled formats: (name, tensor scale, encoders and decoders (Triton, torch),
+    # bytes an element the kernels move: 4 read + codes + a scale a block)
+    scaled = (("nvfp4", nvfp4.nvfp4_tensor_scale_torch, nvfp4.nvfp4_encode_triton,
+               nvfp4.nvfp4_encode_torch, nvfp4.nvfp4_decode_triton, nvfp4.nvfp4_decode_torch,
+               4.5625),
+              ("int3", int3.int3_tensor_scale_torch, int3.int3_encode_triton,
+               int3.int3_encode_torch, int3.int3_decode_triton, int3.int3_decode_torch,
+               4 + 3 / 8 + 1 / int3.BLOCK))
+    for name, tensor_scale, encode, encode_ref, decode, decode_ref, moved in scaled:
+        for sr in (False, True):
+            label = f"{name} encode{' SR' if sr else ''}"
+            ts = tensor_scale(xs.abs().amax()).reshape(1)
+            check(f"{label} ", lambda: encode(xg, ts.to(DEVICE), 3, sr),
+                  lambda: encode_ref(xs, ts, 3, sr), failures)
+            big_ts = tensor_scale(x.abs().amax()).reshape(1)
+            packed, sc = encode(x, big_ts, 3, sr)
+            rows.append(timed(label, lambda: encode(x, big_ts, 3, sr), moved * n))
+            rows.append(timed(f"{name} decode", lambda: decode(packed, sc, big_ts, n),
+                              moved * n))
+            p_cpu, s_cpu = encode_ref(xs, ts, 3, sr)
+            if not same_bits(decode(p_cpu.to(DEVICE), s_cpu.to(DEVICE), ts.to(DEVICE), m),
+                             decode_ref(p_cpu, s_cpu, ts, m)):
+                failures.append(f"{name} decode")
     for block in (16, 128):
         for inverse in (False, True):
             label = f"hadamard {block}{' inverse' if inverse else ''}"
