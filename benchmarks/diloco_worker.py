@@ -38,9 +38,9 @@ DDP_PORT = 29531
 FP8_STAND_IN = dict(format="fp8_e4m3", transform="none", error_feedback=False)
 ARMS = {"DDP fp32": ("ddp", 1, None),
         "DDP + GIFT INT3": ("ddp", 1, dict(format="int3")),
-        **{f"DiLoCo fp32 H{h}": ("diloco", h, None) for h in (20, 50, 100)},
+        **{f"DiLoCo fp32 H{h}": ("diloco", h, None) for h in (20, 50, 100, 200)},
         "DiLoCo FP8 H100": ("diloco", 100, FP8_STAND_IN),
-        **{f"GIFT INT3 H{h}": ("diloco", h, {}) for h in (20, 50, 100)},
+        **{f"GIFT INT3 H{h}": ("diloco", h, {}) for h in (20, 50, 100, 200)},
         "Streaming GIFT INT3 H100": ("streaming", 100, {})}
 
 

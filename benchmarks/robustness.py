@@ -1,9 +1,13 @@
-"""Robustness campaign: bad input, rank disagreement and crashes, on 2 and 4 real MPI ranks.
+"""Robustness campaign: bad input, rank disagreement and crashes, on real ranks of every
+engine GIFT has a step frontend for: Horovod (mpirun) and DDP (torchrun, gloo), each flat and with
+two hops over simulated nodes.
 
-    python benchmarks/robustness.py       # launches mpirun itself; prints the summary table
-    python benchmarks/robustness.py --nps 2 --md results/robustness.md
+    python benchmarks/robustness.py       # every configuration; prints the summary table
+    python benchmarks/robustness.py --configs horovod:2,ddp:2 --md results/robustness.md
 
-Every case runs on every rank of one mpirun job and is judged on rank 0 from all ranks' outcomes:
+A configuration is ENGINE:RANKS[:NODE_SIZE] (NODE_SIZE < RANKS: GIFT's two hops over nodes of
+that many ranks). Every case runs on every rank of one job and is judged on rank 0 from all
+ranks' outcomes:
   ok                 gradients bit-identical on every rank, finite where every rank's input
                      was finite and within the format's error bound of the exact fp64
                      average, non-finite where a rank's input was; or, where an error is the
@@ -13,7 +17,8 @@ Every case runs on every rank of one mpirun job and is judged on rank 0 from all
   rank disagreement  some ranks raised and others did not (a real job would desynchronize)
   unexpected error   every rank raised where no error is defined (loud, not silent)
   hang               the case did not finish within --case-timeout (the watchdog kills the job)
-A crash case per rank count checks that a rank raising mid-step ends the job non-zero in time.
+A crash case per configuration checks that a rank raising mid-step ends the job non-zero in time.
+FSDP2 and HSDP are not in the campaign yet (their faults: torchrun_tests/test_fsdp*.py).
 """
 
 import argparse
@@ -28,26 +33,114 @@ import traceback
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
-CODECS = [("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", 32), ("nvfp4", None)]
+CODECS = [("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", 32), ("nvfp4", None),
+          ("int3", None)]
 # Relative L2 error of one step's averaged gradient (error feedback included) allowed before a
 # result counts as corrupted: about 2x the largest value measured over the cases of that format
 # (results/robustness.md). Forced whitening has its own, looser bounds: with factors from earlier
 # batches it puts error where those batches' inputs had little energy, so it is large in Euclidean
 # terms (NVFP4: about 1.2); those bounds only catch gross corruption.
-BOUNDS = {"fp8_e4m3": 0.15, "fp8_e5m2": 0.35, "nvfp4": 0.8}
-WHITENED_BOUNDS = {"fp8_e4m3": 0.8, "fp8_e5m2": 1.7, "nvfp4": 2.5}
+BOUNDS = {"fp8_e4m3": 0.15, "fp8_e5m2": 0.35, "nvfp4": 0.8, "int3": 1.5}
+WHITENED_BOUNDS = {"fp8_e4m3": 0.8, "fp8_e5m2": 1.7, "nvfp4": 2.5, "int3": 5.0}
 ODD_SIZES = [0, 1, 15, 17, (1 << 20) + 3]
 VERDICTS = ["ok", "silent corruption", "rank disagreement", "unexpected error", "hang"]
+CONFIGS = "horovod:2,horovod:4,horovod:4:2,ddp:2,ddp:4,ddp:4:2"
+
+
+# ------------------------------------------------------------------------------------------ engines
+class Horovod:
+    """GIFT as Horovod's compression (hvd.DistributedOptimizer) under mpirun."""
+    name = "horovod"
+    misuse = ("plain optimizer on a GIFT model", "with no Horovod wrapper")
+
+    def __init__(self):
+        import horovod.torch as hvd
+        from mpi4py import MPI
+        hvd.init(process_sets="dynamic")    # two hops add the nodes' process sets
+        self.hvd, self.mpi = hvd, MPI.COMM_WORLD
+        self.rank, self.size = hvd.rank(), hvd.size()
+
+    def allgather(self, value):
+        return self.mpi.allgather(value)
+
+    def wrap(self, model, options, misuse=False, unused=False):
+        """(the module to run, the optimizer, GIFT's state); misuse: the engine's misuse case."""
+        import horovod_gift as gift
+        compression = gift.GIFT(model, verbose=False, **options)
+        base = torch_module().optim.SGD(model.parameters(), lr=0.05)
+        if misuse:
+            return model, base, compression
+        return model, self.hvd.DistributedOptimizer(
+            base, named_parameters=model.named_parameters(), compression=compression), compression
+
+    def averaged(self, optimizer):
+        """After backward: the gradients are averaged once this returns."""
+        if hasattr(optimizer, "synchronize"):     # Horovod's (not the misuse case's)
+            optimizer.synchronize()
+
+    def step(self, optimizer):
+        if hasattr(optimizer, "skip_synchronize"):
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        else:
+            optimizer.step()
+
+
+class Ddp:
+    """GIFT as DDP's communication hook (horovod_gift.ddp) under torchrun, on gloo."""
+    name = "ddp"
+    misuse = ("hook registered with another model's state", "GiftState(model) does not have")
+
+    def __init__(self):
+        import torch.distributed as dist
+        from engines import init_process_group
+        init_process_group("gloo")
+        self.dist = dist
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+
+    def allgather(self, value):
+        out = [None] * self.size
+        self.dist.all_gather_object(out, value)
+        return out
+
+    def wrap(self, model, options, misuse=False, unused=False):
+        """unused: a parameter may have no gradient on a rank (DDP needs to be told)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        from horovod_gift.ddp import GiftState, gift_hook
+        torch = torch_module()
+        ddp = DistributedDataParallel(model, find_unused_parameters=unused)
+        # misuse: a state made for another model (a copy) registered on this one
+        target = __import__("copy").deepcopy(model) if misuse else ddp
+        state = GiftState(target, process_group=ddp.process_group, verbose=False, **options)
+        ddp.register_comm_hook(state, gift_hook)
+        return ddp, torch.optim.SGD(model.parameters(), lr=0.05), state
+
+    def averaged(self, optimizer):
+        """DDP averaged the gradients in backward."""
+
+    def step(self, optimizer):
+        optimizer.step()
+
+
+ENGINES = {"horovod": Horovod, "ddp": Ddp}
+ENGINE = None       # the worker's (an instance of one of ENGINES)
+NODE_SIZE = None    # the worker's --node-size: GIFT's node_size option
+
+
+def torch_module():
+    import torch
+    return torch
 
 
 # ------------------------------------------------------------------------------------------ worker
-def cases(only=""):
-    """(category, name, function) for every in-process case whose name contains `only`; each
-    function runs on every rank."""
-    return [c for c in all_cases() if only in f"{c[0]} / {c[1]}"]
+def cases(engine, only=""):
+    """(category, name, function) for every in-process case of engine whose name contains
+    `only`; each function runs on every rank."""
+    return [c for c in all_cases(engine) if only in f"{c[0]} / {c[1]}"]
 
 
-def all_cases():
+def all_cases(engine):
     out = []
     for fmt, block in CODECS:
         codec = fmt + (f"/{block}" if block else "")
@@ -99,13 +192,14 @@ def all_cases():
                 lambda kw=kw: train(kw, skip_mlp_on_rank0=True),
             )
         )
-        out.append(
-            (
-                "missing and late gradients",
-                f"{codec} frozen layer made trainable at step 1",
-                lambda kw=kw: train(kw, unfreeze_at=1),
+        if engine == "horovod":     # GIFT averages it in fp32 (DDP: below)
+            out.append(
+                (
+                    "missing and late gradients",
+                    f"{codec} frozen layer made trainable at step 1",
+                    lambda kw=kw: train(kw, unfreeze_at=1),
+                )
             )
-        )
         for dtype in ("float16", "bfloat16", "float64"):
             out.append(
                 ("parameter dtypes", f"{codec} {dtype}", lambda kw=kw, d=dtype: train(kw, dtype=d))
@@ -158,22 +252,19 @@ def all_cases():
             ),
         )
     )
-    out.append(
-        (
-            "misuse",
-            "plain optimizer on a GIFT model",
-            lambda: expect_error(
-                lambda: train(dict(format="nvfp4"), plain_optimizer=True), "with no Horovod wrapper"
-            ),
-        )
-    )
+    case, message = ENGINES[engine].misuse
+    out.append(("misuse", case, lambda: expect_error(
+        lambda: train(dict(format="nvfp4"), misuse=True), message)))
+    if engine == "ddp":
+        # DDP never reduces a parameter that was frozen when it wrapped the model
+        out.append(("missing and late gradients", "frozen layer made trainable at step 1",
+                    lambda: expect_error(lambda: train(dict(format="nvfp4"), unfreeze_at=1),
+                                         "was frozen when DDP wrapped the model")))
     return out
 
 
 def rank():
-    import horovod.torch as hvd
-
-    return hvd.rank()
+    return ENGINE.rank
 
 
 def expect_error(run, pattern):
@@ -195,13 +286,11 @@ def train(
     odd_sizes=False,
     hidden=172,
     load_on_rank0=False,
-    plain_optimizer=False,
+    misuse=False,
 ):
-    """A few steps of a one-block Llama (plus odd-sized parameters if asked); returns, per step and
-    parameter, the averaged gradient and every rank's local one, for judge()."""
+    """A few steps of a one-block Llama (plus odd-sized parameters if asked) on ENGINE; returns,
+    per step and parameter, the averaged gradient and every rank's local one, for judge()."""
     import torch
-    import horovod.torch as hvd
-    import horovod_gift as gift
     from data import ByteBatches
     from model import Llama, LlamaConfig
 
@@ -214,20 +303,14 @@ def train(
     late = block.mlp.w_down.weight
     if unfreeze_at is not None:
         late.requires_grad_(False)
-    compression = gift.GIFT(model, verbose=False, **gift_kwargs)
-    base = torch.optim.SGD(model.parameters(), lr=0.05)
-    opt = (
-        base
-        if plain_optimizer
-        else hvd.DistributedOptimizer(
-            base, named_parameters=model.named_parameters(), compression=compression
-        )
-    )
+    if NODE_SIZE is not None:
+        gift_kwargs = dict(gift_kwargs, node_size=NODE_SIZE)
+    module, opt, compression = ENGINE.wrap(model, gift_kwargs, misuse, skip_mlp_on_rank0)
     if load_on_rank0:
         state = dict(compression.state_dict(), step=5)  # collective: every rank saves
-        if hvd.rank() == 0:
+        if rank() == 0:
             compression.load_state_dict(state)
-    data = ByteBatches(CORPUS, seq_len=32, batch_size=4, rank=hvd.rank())
+    data = ByteBatches(CORPUS, seq_len=32, batch_size=4, rank=rank())
     names = {p: n for n, p in model.named_parameters()}
     if odd_sizes:
         model.odd[3].register_hook(
@@ -238,9 +321,7 @@ def train(
         if step == unfreeze_at:
             late.requires_grad_(True)
         hooks, local = [], {}
-        if (
-            poison is not None and step == 1 and hvd.rank() == hvd.size() - 1
-        ):  # before the capture below
+        if poison is not None and step == 1 and rank() == ENGINE.size - 1:  # before the capture
             hooks.append(
                 block.attn.wq.weight.register_hook(
                     lambda g: g.index_fill(0, torch.tensor([2]), poison)
@@ -253,23 +334,23 @@ def train(
         ]
         x, y = data.next()
         opt.zero_grad()
-        if skip_mlp_on_rank0 and hvd.rank() == 0:
+        if skip_mlp_on_rank0 and rank() == 0:
             block.mlp.forward = torch.zeros_like
-        logits, loss = model(x, y)
-        if skip_mlp_on_rank0 and hvd.rank() == 0:
+        logits, loss = module(x, y)
+        if skip_mlp_on_rank0 and rank() == 0:
             del block.mlp.forward
         if odd_sizes:
             flat = torch.randn(
-                (1 << 20) + 3, generator=torch.Generator().manual_seed(step * 7 + hvd.rank())
+                (1 << 20) + 3, generator=torch.Generator().manual_seed(step * 7 + rank())
             )
             loss = loss + sum((w * flat[: w.numel()]).square().sum() for w in model.odd) * 1e-6
         (loss.float() * scale).backward()
         for h in hooks:
             h.remove()
-        if plain_optimizer:
-            opt.step()
+        if misuse:
+            ENGINE.step(opt)
             continue
-        opt.synchronize()
+        ENGINE.averaged(opt)
         history.append(
             {
                 n: (
@@ -280,8 +361,7 @@ def train(
                 if p.requires_grad
             }
         )
-        with opt.skip_synchronize():
-            opt.step()
+        ENGINE.step(opt)
     whitened = gift_kwargs.get("transform", "whiten").startswith("whiten")
     return {
         "history": history,
@@ -292,10 +372,8 @@ def train(
 def judge(outcome):
     """Verdict of one case from every rank's outcome (runs on every rank; rank 0 reports it)."""
     import torch
-    from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
-    everyone = comm.allgather(outcome.get("raised") or outcome.get("error"))
+    everyone = ENGINE.allgather(outcome.get("raised") or outcome.get("error"))
     expected = outcome.get("expected")
     if expected and all(e and expected in e for e in everyone):
         return "ok", everyone[0]
@@ -308,12 +386,12 @@ def judge(outcome):
     worst, bound = 0.0, outcome["bound"]
     for step, grads in enumerate(outcome["history"]):
         for name, (avg, local) in grads.items():
-            exact = sum(comm.allgather(local.double())) / comm.size
+            exact = sum(ENGINE.allgather(local.double())) / ENGINE.size
             if (
                 avg is None
                 or len(
                     set(
-                        comm.allgather(
+                        ENGINE.allgather(
                             avg.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                         )
                     )
@@ -347,20 +425,19 @@ def judge(outcome):
 
 
 def worker(args):
-    import horovod.torch as hvd
     from data import read_corpus
 
-    global CORPUS
-    hvd.init()
+    global CORPUS, ENGINE, NODE_SIZE
+    ENGINE, NODE_SIZE = ENGINES[args.engine](), args.node_size
     CORPUS = read_corpus(max_bytes=200_000)
     out = pathlib.Path(args.out)
     if args.crash:
         crash_midway()
         return
-    for index, (category, name, run) in enumerate(cases(args.only)):
-        if index < args.start:
+    for index, (category, name, run) in enumerate(cases(args.engine, args.only)):
+        if index < args.first_case:
             continue
-        if hvd.rank() == 0:  # written whole, then renamed: the watchdog never reads half a file
+        if rank() == 0:  # written whole, then renamed: the watchdog never reads half a file
             (out / "progress.tmp").write_text(json.dumps({"index": index, "since": time.time()}))
             os.replace(out / "progress.tmp", out / "progress")
         try:
@@ -368,7 +445,7 @@ def worker(args):
         except Exception as e:
             outcome = {"raised": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=3)}
         verdict, detail = judge(outcome)
-        if hvd.rank() == 0:
+        if rank() == 0:
             with open(out / "results.jsonl", "a") as f:
                 f.write(
                     json.dumps(
@@ -385,14 +462,13 @@ def worker(args):
 
 
 def crash_midway():
-    import horovod.torch as hvd
     import torch
 
     real_step = torch.optim.SGD.step
 
     def failing(self, *a, **k):
         failing.calls += 1
-        if hvd.rank() == 1 and failing.calls == 2:
+        if rank() == 1 and failing.calls == 2:
             raise RuntimeError("rank 1 fails mid-run")
         return real_step(self, *a, **k)
 
@@ -402,19 +478,25 @@ def crash_midway():
 
 
 # ------------------------------------------------------------------------------------------ driver
-def launch(np, out, extra, case_timeout):
-    """Runs one mpirun job; returns 'done', 'hang' (watchdog) or 'exit N'."""
-    cmd = [
-        "bash",
-        str(ROOT / "scripts" / "mpirun.sh"),
-        str(np),
-        sys.executable,
-        __file__,
-        "--worker",
-        "--out",
-        str(out),
-        *extra,
-    ]
+def parse_config(text):
+    """"ENGINE:RANKS[:NODE_SIZE]" -> (engine, ranks, node_size or None)."""
+    engine, ranks, *node = text.split(":")
+    if engine not in ENGINES:
+        raise SystemExit(f"robustness.py: unknown engine {engine!r} in {text!r}")
+    return engine, int(ranks), int(node[0]) if node else None
+
+
+def launch(config, out, extra, case_timeout):
+    """Runs one job of config's engine; returns 'done', 'hang' (watchdog) or 'exit N'."""
+    engine, np, node_size = parse_config(config)
+    worker = [__file__, "--worker", "--engine", engine, "--out", str(out), *extra]
+    if node_size is not None:
+        worker += ["--node-size", str(node_size)]
+    if engine == "horovod":
+        cmd = ["bash", str(ROOT / "scripts" / "mpirun.sh"), str(np), sys.executable, *worker]
+    else:
+        cmd = [str(pathlib.Path(sys.executable).with_name("torchrun")), "--standalone",
+               "--nproc-per-node", str(np), *worker]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
         cmd,
@@ -426,7 +508,7 @@ def launch(np, out, extra, case_timeout):
         start_new_session=True,
     )
     started = time.time()
-    log = out / "mpirun.log"
+    log = out / "job.log"
     while proc.poll() is None:
         time.sleep(0.5)
         progress = out / "progress"
@@ -440,13 +522,16 @@ def launch(np, out, extra, case_timeout):
     return "done" if proc.returncode == 0 else f"exit {proc.returncode}"
 
 
-def run_rank_count(np, case_timeout, only):
-    rows, total = [], len(cases(only))
+def run_config(config, case_timeout, only):
+    """Every case of one configuration, a job per run of cases (a job that dies or hangs is
+    judged on its case and the next job starts after it), then the crash case."""
+    engine = parse_config(config)[0]
+    rows, total = [], len(cases(engine, only))
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp)
         start = 0
         while start < total:
-            status = launch(np, out, ["--start", str(start), "--only", only], case_timeout)
+            status = launch(config, out, ["--first-case", str(start), "--only", only], case_timeout)
             done = (
                 [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
                 if (out / "results.jsonl").exists()
@@ -457,7 +542,7 @@ def run_rank_count(np, case_timeout, only):
             next_start = max([r["index"] for r in rows], default=-1) + 1
             if next_start >= total:
                 break
-            category, name, _ = cases(only)[next_start]
+            category, name, _ = cases(engine, only)[next_start]
             verdict = "hang" if status == "hang" else "unexpected error"
             rows.append(
                 {
@@ -465,15 +550,15 @@ def run_rank_count(np, case_timeout, only):
                     "category": category,
                     "case": name,
                     "verdict": verdict,
-                    "detail": status + ": " + (out / "mpirun.log").read_text()[-300:],
+                    "detail": status + ": " + (out / "job.log").read_text()[-300:],
                 }
             )
             start = next_start + 1
         crash_out = out / "crash"
         crash_out.mkdir()
         t0 = time.time()
-        status = launch(np, crash_out, ["--crash"], case_timeout)
-        log = (crash_out / "mpirun.log").read_text()
+        status = launch(config, crash_out, ["--crash"], case_timeout)
+        log = (crash_out / "job.log").read_text()
         verdict = (
             "ok"
             if status.startswith("exit") and "rank 1 fails mid-run" in log
@@ -495,14 +580,14 @@ def run_rank_count(np, case_timeout, only):
 
 def summary(results):
     lines = [
-        "| ranks | category | cases | " + " | ".join(VERDICTS) + " |",
+        "| configuration | category | cases | " + " | ".join(VERDICTS) + " |",
         "|---" * (3 + len(VERDICTS)) + "|",
     ]
-    for np, rows in results.items():
+    for config, rows in results.items():
         for category in dict.fromkeys(r["category"] for r in rows):
             mine = [r for r in rows if r["category"] == category]
             lines.append(
-                f"| {np} | {category} | {len(mine)} | "
+                f"| {config} | {category} | {len(mine)} | "
                 + " | ".join(str(sum(r["verdict"] == v for r in mine)) for v in VERDICTS)
                 + " |"
             )
@@ -521,7 +606,8 @@ def main():
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--nps", default="2,4", help="rank counts to run")
+    p.add_argument("--configs", default=CONFIGS,
+                   help="ENGINE:RANKS[:NODE_SIZE],... (engines: horovod, ddp)")
     p.add_argument(
         "--case-timeout",
         type=float,
@@ -538,14 +624,15 @@ def main():
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--crash", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--engine", default="horovod", help=argparse.SUPPRESS)
+    p.add_argument("--node-size", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--first-case", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
     t0 = time.time()
-    results = {
-        int(np): run_rank_count(int(np), args.case_timeout, args.only) for np in args.nps.split(",")
-    }
+    results = {config: run_config(config, args.case_timeout, args.only)
+               for config in args.configs.split(",")}
     table, closing, everything = summary(results)
     print(table)
     for r in everything:
@@ -554,16 +641,16 @@ def main():
     print(f"{closing} ({time.time() - t0:.0f} s)")
     if args.md:
         details = "\n".join(
-            f"| {np} | {r['category']} | {r['case']} | {r['verdict']} | {r['detail']} |"
-            for np, rows in results.items()
+            f"| {config} | {r['category']} | {r['case']} | {r['verdict']} | {r['detail']} |"
+            for config, rows in results.items()
             for r in rows
         )
         pathlib.Path(args.md).write_text(
-            f"# Robustness campaign\n\n`python benchmarks/robustness.py` "
+            f"# Robustness campaign\n\n`python benchmarks/robustness.py --configs {args.configs}` "
             f"({time.time() - t0:.0f} s)\n\n{table}\n\n"
             f"**{closing}**\n\nRelative-error bounds: {BOUNDS}; "
             f"with forced whitening: {WHITENED_BOUNDS}\n\n"
-            "| ranks | category | case | verdict | detail |\n"
+            "| configuration | category | case | verdict | detail |\n"
             f"|---|---|---|---|---|\n{details}\n"
         )
     sys.exit(0 if all(r["verdict"] == "ok" for r in everything) else 1)

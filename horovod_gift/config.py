@@ -4,13 +4,14 @@ accept (the codec's own: codec/backend.py)."""
 import dataclasses
 import inspect
 from dataclasses import dataclass, field, replace
+from typing import Optional
 
 import torch
 
 from .codec.backend import check_codec
 
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
-REFRESH_EVERY = 4       # steps between whitening refreshes (core.GiftCore's docstring says why)
+REFRESH_EVERY = 4       # steps between whitening refreshes (GiftConfig.refresh_every says why)
 STAT_WINDOW = 5         # steps in the statistics' EMA
 PARAM_FORMATS = (None, "fp8_e4m3")      # FSDP's parameter all-gather (fsdp/allgather.py)
 # "none", "hadamard" (randomized Hadamard rotation of the flattened tensor), "whiten" (input
@@ -25,54 +26,84 @@ DILOCO_TRANSFORMS = ("hadamard", "none")
 
 @dataclass(frozen=True)
 class GiftConfig:
-    """Every option of GIFT, one frozen record that Horovod's GIFT, DDP's GiftState and FSDP's
-    attach all take (as `config=` or as keyword arguments); checked once, here. core.GiftCore's
-    docstring has the measurements behind each default."""
+    """Every option of GIFT, one frozen record that Horovod's GIFT, DDP's GiftState, FSDP's
+    attach and torchft's GiftDiLoCo all take (as `config=` or as keyword arguments); checked once,
+    here. Each field's comment says what it does and the measurement behind its default
+    (benchmarks/results/fidelity.md measures the geometry on a small Llama's gradients, with
+    statistics from earlier batches only, as training has them)."""
 
     # the wire format of gradients: "nvfp4" (4.5 bits an element with its scales), "int3" (7
     # levels, 3.25 bits an element with its scales), "fp8_e4m3" or "fp8_e5m2" (8, plus one
     # scale per block_size elements); NVFP4 and INT3 add 32 bits a tensor for its scale
     format: str = "nvfp4"
-    # "whiten" (K-FAC input whitening of linear weights), "whiten+hadamard", "hadamard", "auto"
-    # (chosen per tensor on refresh steps) or "none"; FSDP takes "whiten" and "none"
+    # "whiten": the gradient of every compressed weight of a linear module (nn.Linear,
+    # transformers' Conv1D, classes given to gift.register_linear; a weight tied to an LM head, by
+    # the head's input) whitened with the symmetric inverse root of its input statistic
+    # (geometry/); other tensors as they are. At step 100 it cuts the round-trip error 2.2-2.5x
+    # for FP8 E5M2 and NVFP4, and the error of AdamW's update direction 2.0-2.4x.
+    # "whiten+hadamard" adds a randomized Hadamard rotation: 3-14 % less Euclidean error but
+    # 33-56 % more in AdamW's update (error moves onto coordinates with small second moments);
+    # "hadamard" alone does the same without the gain. "auto" picks per tensor among the four by
+    # the Euclidean round-trip error on each refresh step (4 codec round trips a tensor there):
+    # for SGD-like optimizers, where the Euclidean error is what counts. "none": no transform.
+    # FSDP takes "whiten" and "none", DiLoCo "hadamard" and "none".
     transform: str = "whiten"
     # keep each quantization stage's error and add it back next step
     error_feedback: bool = True
     # FP8's scale block (None: one scale a tensor); NVFP4's is fixed at 16, INT3's at 32
-    block_size: object = None
+    block_size: Optional[int] = None
     # "nearest" or "stochastic" (seeded, the same on every rank)
     rounding: str = "nearest"
+    # seeds the Hadamard rotation's signs and stochastic rounding (the same on every rank)
     seed: int = 0
-    # the most elements in a bucket reduced together (Horovod, DDP)
+    # the most elements in a bucket reduced together (Horovod, DDP): larger, fewer messages
     bucket_elements: int = 1 << 22
     # tensors under this many elements travel in fp32, uncompressed
     min_elements: int = 1024
-    # eigenpairs of each input statistic kept: 64 gains 2-6 % over 32, 16 loses 7-15 %
+    # eigenpairs of each input statistic kept; the cost is O(out * in * rank) a gradient and
+    # O(in * rank) memory. 64 gains 2-6 % over 32; 16 loses 7-15 %
     whitening_rank: int = 32
-    # the floor added to each statistic, relative to its mean eigenvalue
+    # the floor added to each statistic, relative to its mean eigenvalue tr(A) / in: 1.0 was best
+    # of 0.01 ... 3 (0.1: 1.3x more error, 3: 1.1x); lower it only with fresher statistics
     damping: float = 1.0
-    # steps between recomputations of the whitening factors
+    # steps between recomputations of the whitening factors (an allreduce of in * (rank + 21)
+    # floats, an O(in * rank^2) factorization on one rank and a broadcast, per input). Statistics
+    # one step old gave 7 % less error than five steps old, and 1.3x less than 20
     refresh_every: int = REFRESH_EVERY
-    # the statistics are an EMA with decay 1 - 1 / stat_window
+    # the statistics are an EMA with decay 1 - 1 / stat_window: 5 came within 3 % of a one-step-
+    # old statistic; 20 gave 5-10 % more error
     stat_window: int = STAT_WINDOW
     # the randomized Hadamard rotation's block (a power of two)
     hadamard_block: int = 128
     # "nan": a non-finite gradient comes back NaN on every rank; "raise": every rank raises
     nonfinite: str = "nan"
-    # the residuals' dtype: torch.float32 or torch.bfloat16 (half the memory)
+    # the residuals' dtype: torch.float32 or torch.bfloat16. They hold 1 + 1/ranks elements a
+    # parameter element: 4 (1 + 1/n) bytes a parameter in fp32, half in bf16 (plus an fp32
+    # workspace the size of the largest piece encoded). bf16 keeps about 3 significant digits of
+    # an error that is itself ~1e-2 of the gradient, for one conversion pass an encode
     residual_dtype: torch.dtype = torch.float32
-    # steps of the engine's own fp32 reduction first (warm-up; Horovod, DDP)
+    # warm-up (Horovod, DDP): steps before it take the engine's own fp32 reduction, bit for bit
+    # as without GIFT, while the whitening statistics gather; compression starts with zero
+    # residuals
     start_step: int = 0
-    # fp16 training's torch.amp.GradScaler: the residuals follow its scale (Horovod, DDP)
-    grad_scaler: object = field(default=None, compare=False)
-    # log one line every N steps on rank 0 (0: never)
+    # fp16 training's torch.amp.GradScaler (Horovod, DDP): the residuals are in its scaled units
+    # and follow each change of scale; without it a backoff after an overflow leaves them 2x
+    # too large
+    grad_scaler: Optional[torch.amp.GradScaler] = field(default=None, compare=False)
+    # log one line every N steps on rank 0 (logger "horovod_gift", INFO): bits an element, bytes
+    # sent, codec and wait seconds a step, tensors each transform takes; 0: never
     log_every: int = 0
-    # "auto" (two hops on several nodes of several ranks), "flat" or "two-hop"
+    # how a bucket is reduced over the ranks (reduce/topology.py). "flat": one quantized
+    # reduce-scatter and allgather over all ranks, which sends (P - L) / P of every gradient
+    # across nodes (L ranks a node). "two-hop": fp32 inside each node, the quantized reduction
+    # across nodes on 1/L of each bucket: 1/L of flat's bytes across nodes
+    # (benchmarks/results/cluster.md). "auto": two-hop on several nodes of several ranks
     topology: str = "auto"
-    # consecutive ranks a node (None: the launcher's local size)
-    node_size: object = None
+    # consecutive ranks a node (None: the launcher's local size, where ranks fill nodes in order,
+    # as mpirun, horovodrun and torchrun place them); set it to simulate nodes on one host
+    node_size: Optional[int] = None
     # FSDP's parameter all-gather: None (fp32, FSDP's own) or "fp8_e4m3"
-    param_format: object = None
+    param_format: Optional[str] = None
     # log what GIFT does at its first step
     verbose: bool = True
 
@@ -183,10 +214,11 @@ def with_options(defaults=GiftConfig):
 
     def decorate(function):
         options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
-                                     default=getattr(config, f.name))
+                                     default=getattr(config, f.name), annotation=f.type)
                    for f in dataclasses.fields(GiftConfig)]
-        kept = [p for p in inspect.signature(function).parameters.values()
+        signature = inspect.signature(function)
+        kept = [p for p in signature.parameters.values()
                 if p.kind != inspect.Parameter.VAR_KEYWORD]
-        function.__signature__ = inspect.Signature(kept + options)
+        function.__signature__ = signature.replace(parameters=kept + options)
         return function
     return decorate

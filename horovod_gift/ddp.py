@@ -21,14 +21,17 @@ same collectives, contributing zeros (and what its residuals still owe); the ave
 every rank, as DDP's own with divide_by_initial_world_size=True. no_sync() accumulates
 gradients locally: the hook runs on the synchronized backward only.
 """
+from __future__ import annotations
+
 import weakref
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .config import with_options
+from .config import GiftConfig, with_options
 from .core.gift_core import GiftCore, StepState, sparse_gradient_parameters
 from .reduce.collective import Fp32Reduction
 from .torch_comm import TorchCommunicator, torch_topology
@@ -55,8 +58,8 @@ class DdpStep(StepState):
 
 
 class GiftState(GiftCore):
-    """The state of gift_hook for one DDP model: GIFT's core (core.GiftCore documents every
-    option: format, transform, error_feedback, residual_dtype, min_elements, start_step, ...).
+    """The state of gift_hook for one DDP model: GIFT's core, whose options are GiftConfig's
+    fields (config.py: format, transform, error_feedback, residual_dtype, start_step, ...).
 
     model: the DistributedDataParallel module (or the module it wraps); parameter names and
     checkpoints are those of the wrapped module, so a GIFT state_dict() moves between Horovod
@@ -70,7 +73,9 @@ class GiftState(GiftCore):
     step_kind = DdpStep
 
     @with_options()
-    def __init__(self, model, *, process_group=None, config=None, **options):
+    def __init__(self, model: torch.nn.Module, *,
+                 process_group: Optional[dist.ProcessGroup] = None,
+                 config: Optional[GiftConfig] = None, **options) -> None:
         if not dist.is_initialized():
             raise RuntimeError("GiftState: call torch.distributed.init_process_group() before "
                                "creating GiftState(model, ...)")
@@ -91,15 +96,16 @@ class GiftState(GiftCore):
                          uncompressed=ignored, **options)
         self.choose_topology(self._topology)
         self.name_of = {id(p): n for n, p in self.params.items()}
-        self._optimizer = None      # what GiftCore.reset_rank_state clears (Horovod's)
-        self.reset_step()
+        # DDP reduces the parameters that train when it wraps the model, and never another
+        self.frozen_at_wrap = [n for n, p in self.params.items()
+                               if not p.requires_grad and n not in ignored]
         weakref.finalize(self, self.statistics.remove_hooks)
 
     def _topology(self):
         return torch_topology(self.config.topology, self.config.node_size, self.process_group,
                               self.device)
 
-    def reset_rank_state(self):
+    def reset_rank_state(self) -> None:
         """GiftCore's (call it on every rank when the number of ranks changes), and the
         nodes chosen again now: collective over the group."""
         super().reset_rank_state()
@@ -114,6 +120,7 @@ class GiftState(GiftCore):
     def _hook(self, bucket):
         step = self.current
         if not step.in_step:
+            self._refuse_unfrozen()
             step.compressing = self.begin_step()    # raises on every rank, or on none
             step.in_step = True
         step.hooks += 1
@@ -126,7 +133,7 @@ class GiftState(GiftCore):
             future = dist.all_reduce(buffer, group=self.process_group,
                                      async_op=True).get_future().then(lambda f: f.value()[0])
             if bucket.is_last():
-                self._end_step()
+                self.end_step()
             return future
         entry = self._take(bucket)
         self._advance_earlier()
@@ -143,6 +150,16 @@ class GiftState(GiftCore):
                 failed.set_exception(error)
                 return failed
         return entry.future
+
+    def _refuse_unfrozen(self):
+        """A parameter frozen when DDP wrapped the model and trained now would keep each rank's
+        own gradient (DDP never reduces it): raise, naming it, before this step's collectives."""
+        unfrozen = [n for n in self.frozen_at_wrap if self.params[n].requires_grad]
+        if unfrozen:
+            raise ValueError(f"GiftState: {', '.join(unfrozen)} trains now but was frozen when "
+                             "DDP wrapped the model: DDP never reduces its gradient, which would "
+                             "differ across ranks; wrap the model in DDP (and make GiftState) "
+                             "after unfreezing it")
 
     def _take(self, bucket):
         """Transform this DDP bucket's compressed gradients (over the buffer) and start the fp32
@@ -209,7 +226,7 @@ class GiftState(GiftCore):
             entry.future.set_result(entry.buffer)
 
     def _note_finite(self, name, result):
-        if self.config.nonfinite == "raise" and not torch.isfinite(result).all():
+        if self.is_nonfinite(result):
             self.current.nonfinite.append(name)
 
     def _finish_step(self):
@@ -223,20 +240,12 @@ class GiftState(GiftCore):
                 step.pipeline.advance(bucket)
         self.plan.start_vote()
         self._resolve(everything=True)
-        self.scrub(step.pipeline)
         nonfinite = step.nonfinite
-        self._end_step()
-        if nonfinite:
-            return FloatingPointError(f"GIFT: the averaged gradient of {nonfinite[0]} is not "
-                                      "finite (a rank's gradient held NaN or Inf)")
-        return None
-
-    def _end_step(self):
         self.end_step()
-        self.reset_step()
+        return self.nonfinite_error(nonfinite[0]) if nonfinite else None
 
 
-def gift_hook(state, bucket):
+def gift_hook(state: GiftState, bucket: dist.GradBucket) -> torch.futures.Future:
     """DDP's communication hook: register it with model.register_comm_hook(GiftState(model),
     gift_hook). Returns the future of the bucket's averaged gradients."""
     if not isinstance(state, GiftState):

@@ -1,6 +1,7 @@
 """GiftConfig: every option of every frontend in one frozen record, checked once."""
 import dataclasses
 import inspect
+import pathlib
 
 import pytest
 import torch
@@ -84,3 +85,18 @@ def test_help_lists_every_option_with_the_frontends_default(entry):
         assert field.name in parameters, field.name
     expected = torch.bfloat16 if entry is attach else torch.float32
     assert parameters["residual_dtype"].default == expected
+
+
+def test_every_option_has_a_comment_and_a_row_in_the_readme():
+    """One list of options: each GiftConfig field is commented where it is declared, and the
+    README's table of options names it."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    source = (root / "horovod_gift" / "config.py").read_text().splitlines()
+    readme = (root / "README.md").read_text()
+    table = readme[readme.index("## Options"):readme.index("## In production")]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    for field in dataclasses.fields(GiftConfig):
+        line = next(i for i, text in enumerate(source)
+                    if text.startswith(f"    {field.name}: "))
+        assert source[line - 1].strip().startswith("#"), f"{field.name} has no comment"
+        assert any(f"`{field.name}`" in row.split(" | ")[0] for row in rows), field.name

@@ -190,6 +190,20 @@ def test_a_configuration_that_differs_across_ranks_raises_on_every_rank():
         loss_of(model, 0, rank).backward()
 
 
+def test_a_layer_unfrozen_after_ddp_wrapped_the_model_is_refused_on_every_rank():
+    """DDP never reduces a parameter frozen when it wrapped the model: its gradient would stay
+    each rank's own. GIFT names it before the step's collectives, on every rank."""
+    torch.manual_seed(0)
+    net = Net()
+    net.up.weight.requires_grad_(False)
+    model = DDP(net)
+    model.register_comm_hook(GiftState(model, **OPTIONS), gift_hook)
+    loss_of(model, 0, dist.get_rank()).backward()     # frozen: trains on
+    net.up.weight.requires_grad_(True)
+    with pytest.raises(Exception, match="up.weight trains now but was frozen when DDP wrapped"):
+        loss_of(model, 1, dist.get_rank()).backward()
+
+
 def test_the_hook_refuses_a_state_it_was_not_made_with():
     model = DDP(Net())
     model.register_comm_hook(object(), gift_hook)

@@ -7,9 +7,11 @@ kernels/native.py; the Triton interpreter is 100-1000x slower). `HOROVOD_GIFT_KE
 interpreter with TRITON_INTERPRET=1); `"native"` the native kernels for CPU tensors; `"torch"`
 the plain-torch references, which every other implementation matches bit for bit.
 """
+from __future__ import annotations
 
 import contextlib
 import os
+from typing import Iterator
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2", "nvfp4", "int3")
 # the formats whose scale block is fixed: block_size may only name it (or be None)
@@ -31,7 +33,7 @@ def runs_native(tensor):
 
 
 @contextlib.contextmanager
-def use_kernels(backend="triton"):
+def use_kernels(backend: str = "triton") -> Iterator[None]:
     """Run the codec with `backend` ("auto", "triton", "native" or "torch") inside the block."""
     global _backend
     if backend not in BACKENDS:

@@ -6,6 +6,7 @@
 Values are computed in fp32. Non-finite input never becomes finite output: the whole tensor
 decodes to NaN (so loss scalers see it), or encode raises with nonfinite="raise".
 """
+from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
@@ -147,9 +148,9 @@ def _check_out(out, n, device, what):
         )
 
 
-def encode(
-    x, format="nvfp4", block_size=None, rounding="nearest", seed=0, nonfinite="nan", name="tensor"
-):
+def encode(x: torch.Tensor, format: str = "nvfp4", block_size: Optional[int] = None,
+           rounding: str = "nearest", seed: int = 0, nonfinite: str = "nan",
+           name: str = "tensor") -> Encoded:
     """Quantize x. rounding: "nearest" (to even) or "stochastic" (seeded, unbiased).
     nonfinite: "nan" (the tensor decodes to NaN) or "raise"."""
     check_codec(format, block_size, rounding)
@@ -172,7 +173,7 @@ def encode(
     return Encoded(format, x.shape, x.dtype, codes, scales, tensor_scale, block_size)
 
 
-def decode(enc: Encoded):
+def decode(enc: Encoded) -> torch.Tensor:
     """The tensor enc stands for, in its original shape and dtype."""
     values = dequantize(
         enc.codes, enc.scales, enc.tensor_scale, enc.numel, enc.format, enc.block_size

@@ -10,8 +10,10 @@ makes a GiftCore over a Communicator (reduce/communicator.py) and a Topology
     end_step()              scrub non-finite residuals, the "auto" vote, step += 1
 The reductions of a step live in a StagePipeline (reduce/pipeline.py); when each moves to its next
 stage is the frontend's choice (Horovod matches collectives by name, torch.distributed by call
-order). The class docstring documents every option.
+order).
 """
+from __future__ import annotations
+
 import functools
 import gc
 from dataclasses import dataclass, field
@@ -30,8 +32,7 @@ from ..reduce.collective import fill_buckets
 from ..reduce.feedback import ErrorFeedback, scrub
 from ..reduce.pipeline import StagePipeline
 from ..reduce.topology import owned_pieces
-from ..telemetry import logger
-from .state_base import NOTHING_PENDING, GiftStateBase, fingerprint
+from .state_base import GiftStateBase, fingerprint
 
 
 @dataclass
@@ -45,62 +46,9 @@ class StepState:
 
 
 class GiftCore(GiftStateBase):
-    """State of the low-precision gradient exchange for one model.
-
-    format: "nvfp4" | "int3" | "fp8_e4m3" | "fp8_e5m2"; block_size: FP8 scale block (None: per
-    tensor); error_feedback: keep each stage's quantization error and add it back next step;
-    nonfinite: "nan" (a non-finite gradient comes back NaN on every rank) or "raise" (every rank
-    raises).
-
-    Geometry (benchmarks/results/fidelity.md measures each choice on a small Llama's gradients, with
-    statistics from earlier batches only, as training has them):
-    transform: "whiten" (the default) whitens the gradient of every compressed weight of a linear
-    module (nn.Linear, transformers' Conv1D, classes given to gift.register_linear; a weight tied to
-    an LM head, by the head's input: geometry/linear_layers.py) with the symmetric inverse root of
-    its input statistic (geometry/whitening.py) and sends other tensors as they are. At step 100
-    it cuts the round-trip error 2.2-2.5x for FP8 E5M2 and NVFP4, and the error of AdamW's update
-    direction 2.0-2.4x.
-    "whiten+hadamard" adds a randomized Hadamard rotation: 3-14 % less Euclidean error, but 33-56 %
-    more error in AdamW's update (it moves error onto coordinates with small second moments);
-    "hadamard" alone does the same without the gain. "auto" picks per tensor among none / hadamard /
-    whiten / whiten+hadamard by the Euclidean round-trip error on each refresh step (4 codec round
-    trips per tensor there): use it with SGD-like optimizers, where the Euclidean error is what
-    counts. "none": no transform.
-    whitening_rank: eigenpairs of each input statistic kept; the cost is O(out * in * rank) per
-    gradient and O(in * rank) memory. 64 gains 2-6 % over 32; 16 loses 7-15 %.
-    damping: the floor added to the statistic, relative to its mean eigenvalue tr(A) / in. 1.0 was
-    best of 0.01 ... 3 (0.1: 1.3x more error, 3: 1.1x); lower it only with fresher statistics.
-    refresh_every: steps between recomputations of the whitening factors (an allreduce of
-    in * (rank + 21) floats, an O(in * rank^2) factorization on one rank, a broadcast, per input).
-    Statistics one step old gave 7 % less error than five steps old, and 1.3x less than 20.
-    stat_window: the statistics are an EMA over steps with decay 1 - 1 / stat_window. 5 came
-    within 3 % of a one-step-old statistic; 20 gave 5-10 % more error.
-    start_step: warm-up; steps before it take the engine's own fp32 reduction, bit for bit as
-    without GIFT, while the whitening statistics gather; compression starts with zero residuals.
-    grad_scaler: the torch.amp.GradScaler of fp16 training. The residuals are in its scaled units;
-    GIFT rescales them whenever the scale changes. Without it, a change of scale leaves them off
-    by the ratio of the scales (a backoff after an overflow makes them 2x too large).
-    log_every: log one line every N steps on rank 0 (logger "horovod_gift", level INFO): bits per
-    element, bytes sent, codec and wait seconds per step, and how many tensors take each
-    transform; 0 (the default) logs nothing periodically.
-    topology: how a bucket is reduced over the ranks. "flat": one quantized reduce-scatter and
-    allgather over all ranks, which sends (P - L) / P of every gradient across nodes (L ranks a
-    node). "two-hop" (reduce/two_hop.py): an fp32 reduce-scatter inside each node, the quantized
-    reduction across nodes on 1/L of each bucket, an allgather inside the node: 1/L of the flat
-    bytes across nodes, for (L - 1) / L of the gradient in fp32 over the node's own links
-    (benchmarks/results/cluster.md measures both). It reduces over every rank. "auto" (the
-    default): two-hop when the job has several nodes of several ranks, else flat.
-    node_size: consecutive ranks that share a node; None (the default) takes the launcher's local
-    size, where ranks fill nodes in order (mpirun's, horovodrun's and torchrun's placement). Set
-    it to simulate nodes on one host.
-    residual_dtype: torch.float32 (default) or torch.bfloat16 for the error-feedback residuals.
-    They hold 1 + 1/ranks parameter elements per parameter element (stage 1 per tensor, stage 2
-    per owned chunk): 4 (1 + 1/n) bytes per parameter in fp32, half that in bf16 (plus an fp32
-    workspace the size of the largest piece encoded). bf16 keeps about 3 significant digits of
-    an error that is itself ~1e-2 of the gradient, and costs one conversion pass per encode.
-    bucket_elements: the most elements a bucket of gradients reduced together holds (larger:
-    fewer, larger messages); min_elements: tensors under it go fp32, uncompressed.
-    """
+    """The state of the low-precision gradient exchange for one model and its step logic (the
+    module docstring); every option is a GiftConfig field (config.py says what each does and
+    the measurements behind its default), read as self.config.<field>."""
     step_kind = StepState       # what reset_step makes; a frontend's subclass adds its engine's
 
     def __init__(self, model, comm, config=None, uncompressed=(), **options):
@@ -137,6 +85,8 @@ class GiftCore(GiftStateBase):
                                        config.residual_dtype) if config.error_feedback else None)
         self._scale = None              # the GradScaler's scale the residuals are in
         self._compiles_seen = CompileCount.count
+        self.current = None             # the step in flight (a step_kind)
+        self.reset_step()
 
     def choose_topology(self, make):
         """self.topology = make(); if it raises (a topology the job cannot have), the statistics'
@@ -152,9 +102,15 @@ class GiftCore(GiftStateBase):
         return StagePipeline(self.buckets, self.telemetry)
 
     def reset_step(self):
-        """A new step state (the frontend's step_kind) for the next step: after a step ends and
-        after a checkpoint loads."""
+        """A new step state (the frontend's step_kind) for the next step: after a step ends or
+        is abandoned, and after a checkpoint loads."""
         self.current = self.step_kind(pipeline=self.new_pipeline())
+
+    def abandon_step(self):
+        """A step that raised midway (every rank raises alike): residuals it made non-finite
+        scrubbed, and a fresh step state; the step is not counted."""
+        self.scrub(self.current.pipeline)
+        self.reset_step()
 
     def begin_step(self, largest_step=None):
         """At a step's first gradient, on every rank: whether this step compresses (False during
@@ -257,12 +213,15 @@ class GiftCore(GiftStateBase):
         """The averaged gradient of name from its reduced u (overwritten)."""
         return self.plan.inverse(name, u, in_place=True).view(shape).to(dtype)
 
-    def check_finite(self, name, result):
-        """Under nonfinite="raise", raise (on every rank: the result is the same bytes there) when
-        the averaged gradient of name is not finite."""
-        if self.config.nonfinite == "raise" and not torch.isfinite(result).all():
-            raise FloatingPointError(f"GIFT: the averaged gradient of {name} is not finite "
-                                     "(a rank's gradient held NaN or Inf)")
+    def is_nonfinite(self, result):
+        """Under nonfinite="raise", whether an averaged gradient (the same bytes on every rank)
+        must raise."""
+        return self.config.nonfinite == "raise" and not bool(torch.isfinite(result).all())
+
+    @staticmethod
+    def nonfinite_error(name):
+        return FloatingPointError(f"GIFT: the averaged gradient of {name} is not finite "
+                                  "(a rank's gradient held NaN or Inf)")
 
     def scrub(self, pipeline):
         """Residuals made non-finite by this step's gradients back to zero: one verdict for every
@@ -271,14 +230,20 @@ class GiftCore(GiftStateBase):
             scrub(*pipeline.residuals())
 
     def end_step(self, voted=True):
-        """After every result of the step was read. voted: the step's "auto" vote was started
-        (plan.start_vote) and is applied now."""
+        """After every result of the step was read, on every rank: residuals made non-finite
+        scrubbed, the "auto" vote applied (voted: it was started, plan.start_vote), the step
+        counted, and a fresh step state."""
+        self.scrub(self.current.pipeline)
         if self.plan.evaluating and voted:
             with record_function("horovod_gift.vote"):
                 self._change_transforms(self.plan.finish_vote)
-        self.count_step(lambda: self.plan.counts(self.bucket_of))
+        self.count_step()
         self.plan.end_step()
         self._collect_after_compiles()
+        self.reset_step()
+
+    def _transform_counts(self):
+        return self.plan.counts(self.bucket_of)
 
     def _collect_after_compiles(self):
         """A step in which numba compiled a kernel (the first, a refresh step's first round
@@ -315,16 +280,8 @@ class GiftCore(GiftStateBase):
                 f"{self.topology.describe() if self.topology else 'topology at the first step'}; "
                 f"tensors under {self.config.min_elements} elements go fp32")
 
-    def stats(self):
-        """Cumulative counters of this rank: steps, gradient elements, bytes sent through the
-        quantized path (node_bytes_sent: the part a two-hop reduction sent inside its node),
-        bits per gradient element encoded (uncompressed tensors at 32), seconds in the codec,
-        seconds waiting inside GIFT (for the network, and at a step's start for the slowest
-        rank), steps on the fp32 path (a rank in hvd.join(), or GIFT warming up), and
-        residual_bytes: what this rank's error-feedback residuals hold."""
-        residuals = self.feedback.tensors() if self.feedback else []
-        return dict(self.telemetry.stats(self.step, self.plan.counts(self.bucket_of)),
-                    residual_bytes=sum(r.numel() * r.element_size() for r in residuals))
+    def _residual_tensors(self):
+        return self.feedback.tensors() if self.feedback else []
 
     # ---------------------------------------------------------------- checks and checkpoints
     def topology_description(self):
@@ -354,29 +311,18 @@ class GiftCore(GiftStateBase):
                 "topology": self.topology.description if self.topology else None,
                 "average": self.average}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
         """The shared part now; the per-rank part if this rank saved it in a job of this size
         (now, or at the first step once the process set is known), else the residuals restart
         at zero with one warning."""
         super().load_state_dict(state)
         self.plan.load_state_dict(state["plan"])
         if self.topology is not None:
-            self._load_rank_state(self._pending_rank_state)
+            self.apply_loaded()
         self.reset_step()
 
-    def _load_rank_state(self, saved):
-        self._pending_rank_state = NOTHING_PENDING
+    def _restore_rank_state(self, saved):
         n, me = self.comm.size, self.comm.rank
-        if saved is None or (saved["ranks"], saved["rank"]) != (n, me):
-            self._forget_rank_state()
-            why = ("it has no per-rank state" if saved is None else
-                   f"it was saved by rank {saved['rank']} of {saved['ranks']}, "
-                   f"this is rank {me} of {n}")
-            # every rank is in the same case unless only the rank differs: one warning then
-            if me == 0 or (saved is not None and saved["ranks"] == n):
-                logger.warning("GIFT.load_state_dict: %s; error-feedback residuals and statistics "
-                               "histories restart at zero (the rest is kept)", why)
-            return
         self.statistics.load_local_state_dict(saved["statistics"])
         self._scale = saved["grad_scale"]
         if self.feedback:
@@ -388,20 +334,19 @@ class GiftCore(GiftStateBase):
             self.feedback.load_state_dict(feedback,
                                           lambda k: self.params[self.buckets[k][0]].device)
 
-    def reset_rank_state(self):
+    def reset_rank_state(self) -> None:
         """Forget what belongs to this rank in this job (error-feedback residuals, statistics
         histories, the GradScaler scale they are in) and check the ranks agree at the next step:
         call it on every rank when the number of ranks changes (hvd.elastic's on_state_reset).
         The nodes and their process sets are chosen again at the next step."""
         self._forget_rank_state()
-        self.topology, self._optimizer = None, None
+        self.topology = None
 
     def _forget_rank_state(self):
+        super()._forget_rank_state()
         if self.feedback:
             self.feedback.reset()
-        self.statistics.load_local_state_dict({})
-        self._scale, self._verify = None, True
-        self.telemetry.restart(self.step)
+        self._scale = None
 
 
 def sparse_gradient_parameters(model):

@@ -11,8 +11,12 @@ feedback residuals, statistics histories) that only the rank that saved it, in a
 size and topology, can use. The configuration is also what ranks compare at their first step and
 the first after a load, so a job whose ranks differ raises on every rank instead of hanging or
 training on wrong gradients. A kind says how its residuals follow a refresh (_refresh), what its
-per-rank state is (_rank_state, _load_rank_state) and what it adds to the configuration.
+per-rank state is (_rank_state, _restore_rank_state, _forget_rank_state, and _unusable where it
+checks more than the rank and the number of ranks) and what it adds to the configuration. The
+rule for a per-rank state that cannot be used, and its one warning, are apply_loaded's.
 """
+from __future__ import annotations
+
 import hashlib
 
 from torch.profiler import record_function
@@ -76,8 +80,7 @@ class GiftStateBase:
     def settle_ranks(self):
         """At a step's start, on every rank: a loaded per-rank state applied, and the ranks'
         agreement checked (collective) if due. Returns whether it was checked."""
-        if self._pending_rank_state is not NOTHING_PENDING:
-            self._load_rank_state(self._pending_rank_state)
+        self.apply_loaded()
         if not self._verify:
             return False
         check_ranks_agree(self.comm, dict(self.agreed(), step=self.step,
@@ -95,11 +98,10 @@ class GiftStateBase:
         if self.step == 0 and self.config.verbose and self.comm.rank == 0:
             logger.info("%s", self.describe())
 
-    def count_step(self, plans=dict):
-        """The step done: counted, and logged every log_every steps. plans: the counts of each
-        transform, when asked."""
+    def count_step(self):
+        """The step done: counted, and logged every log_every steps."""
         self.step += 1
-        self.telemetry.end_step(self.step, plans, self.comm.rank == 0)
+        self.telemetry.end_step(self.step, self._transform_counts, self.comm.rank == 0)
 
     # ---------------------------------------------------------------- what a kind says
     def topology_description(self):
@@ -113,12 +115,65 @@ class GiftStateBase:
         raise NotImplementedError
 
     def _rank_state(self):
+        """This rank's own state: residuals and statistics histories, with "rank" and "ranks"
+        (the number of ranks) and what else _unusable compares."""
         raise NotImplementedError
 
-    def _load_rank_state(self, saved):
-        """Apply saved (a _rank_state(), or None) if this rank made it in a job like this one,
-        else zero the residuals with a warning; clears the pending state."""
+    def _restore_rank_state(self, saved):
+        """Take a _rank_state() that _unusable accepted."""
         raise NotImplementedError
+
+    def _residual_tensors(self):
+        raise NotImplementedError
+
+    def _transform_counts(self):
+        """Tensors a transform takes, per transform (for the logs)."""
+        return {}
+
+    # ---------------------------------------------------------------- the per-rank state
+    def apply_loaded(self):
+        """A per-rank state loaded before the ranks were known, applied now they are (or the
+        residuals restarted at zero, with one warning, where this rank cannot use it)."""
+        if self._pending_rank_state is NOTHING_PENDING:
+            return
+        saved, self._pending_rank_state = self._pending_rank_state, NOTHING_PENDING
+        why = self._unusable(saved)
+        if why is None:
+            self._restore_rank_state(saved)
+            return
+        self._forget_rank_state()
+        # every rank is in the same case unless only the rank differs: one warning then
+        if self.comm.rank == 0 or (saved is not None and saved["ranks"] == self.comm.size):
+            logger.warning("%s.load_state_dict: %s; error-feedback residuals and statistics "
+                           "histories restart at zero (the rest is kept)", self.label, why)
+
+    def _unusable(self, saved):
+        """Why this rank cannot take saved (a _rank_state() or None), or None if it can."""
+        n, me = self.comm.size, self.comm.rank
+        if saved is None:
+            return "it has no per-rank state"
+        if (saved["ranks"], saved["rank"]) != (n, me):
+            return (f"it was saved by rank {saved['rank']} of {saved['ranks']}, "
+                    f"this is rank {me} of {n}")
+        return None
+
+    def _forget_rank_state(self):
+        """What belongs to this rank in this job restarts (a kind adds its residuals); the
+        ranks check they agree at the next step."""
+        self.statistics.load_local_state_dict({})
+        self._verify = True
+        self.telemetry.restart(self.step)
+
+    def stats(self) -> dict:
+        """Cumulative counters of this rank: steps, gradient elements, bytes sent through the
+        quantized path (node_bytes_sent: the part a two-hop reduction sent inside its node),
+        bits per gradient element encoded (uncompressed tensors at 32), seconds in the codec,
+        seconds waiting inside GIFT (for the network, and at a step's start for the slowest
+        rank), steps on the fp32 path (a rank in hvd.join(), or GIFT warming up), and
+        residual_bytes: what this rank's error-feedback residuals hold."""
+        return dict(self.telemetry.stats(self.step, self._transform_counts()),
+                    residual_bytes=sum(r.numel() * r.element_size()
+                                       for r in self._residual_tensors()))
 
     # ---------------------------------------------------------------- checkpoints
     def agreed(self):
@@ -131,7 +186,7 @@ class GiftStateBase:
         return {"step": self.step, "config": self.agreed(),
                 "statistics": self.statistics.state_dict()}
 
-    def state_dict(self, rank_state=True):
+    def state_dict(self, rank_state: bool = True) -> dict:
         """The shared state (step, configuration, whitening statistics and factors, ...), the
         same on every rank, and, unless rank_state=False, this rank's own (error-feedback
         residuals and statistics histories, with the rank and the number of ranks). Not
@@ -144,7 +199,7 @@ class GiftStateBase:
             state["rank_state"] = self._rank_state()
         return state
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
         """Load a state_dict(): the shared part now, the per-rank part at the next step (or now,
         where the ranks are known: apply_loaded); the ranks check they agree at that step."""
         saved, here = dict(self.CONFIG_ADDED, **state["config"]), self.agreed()

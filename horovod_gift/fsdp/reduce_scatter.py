@@ -35,6 +35,9 @@ torch.distributed matches collectives by call order: FSDP calls the reduce-scatt
 in backward order, the same on every rank, and GIFT adds collectives only at a step's first
 reduce-scatter (the configuration check at the first step, the statistics' refresh).
 """
+from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -100,7 +103,8 @@ def _divisor(op, ranks):
 
 
 @with_options(GiftConfig.for_fsdp)
-def attach(model, config=None, **options):
+def attach(model: torch.nn.Module, config: Optional[GiftConfig] = None,
+           **options) -> FsdpGiftState:
     """Make an FsdpGiftState for model (config: a GiftConfig, options: fields of it to
     replace; GiftConfig.for_fsdp's defaults) and set a GiftReduceScatter on every fully_shard
     module in it; returns the state (for state_dict() and stats()). Collective: call it on every

@@ -30,7 +30,7 @@ import torch
 
 from ..codec.tensor_codec import TensorPieces
 from ..config import GiftConfig
-from ..core.state_base import NOTHING_PENDING, GiftStateBase, fingerprint
+from ..core.state_base import GiftStateBase, fingerprint
 from ..geometry.linear_layers import linear_readers
 from ..reduce.collective import (
     BucketLayout,
@@ -314,27 +314,28 @@ class FsdpGiftState(GiftStateBase):
                 "residuals": {k: r.to("cpu", copy=True) for k, r in self.residuals.items()},
                 "statistics": self.statistics.local_state_dict()}
 
-    def _load_rank_state(self, saved):
-        self._pending_rank_state = NOTHING_PENDING
-        saved = saved or {}
-        here = (self.comm.rank, self.comm.size, self.topology.description)
-        if (saved.get("rank"), saved.get("ranks"), saved.get("topology", ("flat",))) != here:
-            if self.comm.rank == 0:
-                logger.warning("GIFT (FSDP).load_state_dict: no residuals of this rank in this "
-                               "job size and topology; they restart at zero")
-            self.residuals = {}
-            self.statistics.load_local_state_dict({})
-            return
+    def _unusable(self, saved):
+        why = super()._unusable(saved)
+        if why is None and saved.get("topology", ("flat",)) != self.topology.description:
+            why = (f"it was saved with topology {saved.get('topology', ('flat',))}, here "
+                   f"{self.topology.description}")
+        return why
+
+    def _restore_rank_state(self, saved):
         self.residuals = {k: r.to(self.device, self.config.residual_dtype)
                           for k, r in saved["residuals"].items()}
         self.statistics.load_local_state_dict(saved["statistics"])
 
-    def stats(self):
-        """GIFT's counters (core.GiftCore.stats), the topology, and residual_bytes: what this
-        rank's error-feedback residuals hold."""
-        residuals = list(self.residuals.values())
-        return dict(self.telemetry.stats(self.step, {}), topology=self.topology.describe(),
-                    residual_bytes=sum(r.numel() * r.element_size() for r in residuals))
+    def _forget_rank_state(self):
+        super()._forget_rank_state()
+        self.residuals = {}
+
+    def _residual_tensors(self):
+        return list(self.residuals.values())
+
+    def stats(self) -> dict:
+        """GIFT's counters (GiftStateBase.stats) and the topology."""
+        return dict(super().stats(), topology=self.topology.describe())
 
 
 def _part(flat, layout, i):

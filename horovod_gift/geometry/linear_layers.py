@@ -14,6 +14,8 @@ whose weight is the embedding's) is whitened with the statistics of every module
 the embedding's rows live in the same input space (the hidden states), so the map stays exact
 and invertible for the whole gradient.
 """
+from __future__ import annotations
+
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +59,8 @@ REGISTRY = {torch.nn.Linear: LinearLayout()}
 KNOWN_BY_NAME = {"transformers.pytorch_utils.Conv1D": LinearLayout(layout="in_out")}
 
 
-def register_linear(module_class, input=0, weight="weight", layout="out_in"):
+def register_linear(module_class: type, input: int = 0, weight: str = "weight",
+                    layout: str = "out_in") -> None:
     """Tell GIFT that `module_class` computes y = x W^T (+ b) (layout "out_in", W stored
     out x in like nn.Linear) or y = x W (+ b) (layout "in_out", W stored in x out), with x
     forward()'s positional argument number `input` (or its keyword argument of that name) and W

@@ -6,7 +6,7 @@ whitening of the weights of linear modules, linear_layers.py; other tensors take
 each refresh step after the first, re-picks per tensor the candidate with the smallest round-trip
 error on that step's gradients summed over ranks (so every rank picks the same). The factors of a
 refresh step come from earlier batches only, as on the steps that follow it, so the vote measures
-what they will get. The GIFT class docstring says when to use which
+what they will get. GiftConfig.transform's comment (config.py) says when to use which
 (benchmarks/results/fidelity.md).
 """
 

@@ -1,7 +1,10 @@
 """Horovod as GIFT's engine: the Communicator (reduce/communicator.py) over a Horovod process
 set, and the quantized allreduce of one tensor. The GIFT compressor (compressor.py) is the frontend
 Horovod's DistributedOptimizer calls."""
+from __future__ import annotations
+
 import os
+from typing import Optional
 
 import horovod.torch as hvd
 import torch
@@ -69,8 +72,9 @@ class HorovodCommunicator(Communicator):
                                                   name=name, process_set=self.process_set))
 
 
-def allreduce(tensor, name, format="fp8_e4m3", op=None, block_size=None, rounding="nearest",
-              seed=0, process_set=None):
+def allreduce(tensor: torch.Tensor, name: str, format: str = "fp8_e4m3", op: Optional[int] = None,
+              block_size: Optional[int] = None, rounding: str = "nearest", seed: int = 0,
+              process_set: Optional[hvd.ProcessSet] = None) -> torch.Tensor:
     """Average (op=hvd.Average, the default) or sum (hvd.Sum) `tensor` over the ranks of a
     Horovod process set (the global one by default) through the quantized path, without
     transform or error feedback. Returns a new tensor of tensor's dtype, bit-identical on every

@@ -19,17 +19,19 @@ first decompress of a step starts the rest's second stages. Tensors under `min_e
 gradients and steps in which a rank has called hvd.join() take Horovod's own fp32 reduction.
 The state and step logic are the engine-neutral core's (core/gift_core.py).
 """
+from __future__ import annotations
+
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import Optional
 
 import horovod.torch as hvd
 import torch
 from horovod.torch.compression import Compressor
 
-from ..config import with_options
+from ..config import GiftConfig, with_options
 from ..core.gift_core import GiftCore, StepState, sparse_gradient_parameters
-from ..core.state_base import NOTHING_PENDING
 from ..hvd import internals as internals
 from .comm import HorovodCommunicator, horovod_topology
 
@@ -48,7 +50,7 @@ class HorovodStep(StepState):
 
 class GIFT(GiftCore, Compressor):
     """The Horovod frontend of GIFT (see the module docstring); every option but process_set is
-    the core's (core.GiftCore documents them, with the measurements behind the advice).
+    a GiftConfig field (config.py documents each, with the measurements behind the advice).
 
     process_set: None (the default) takes the process set of the Horovod optimizer that uses this
     compressor; a set given here must be that optimizer's, or every rank raises at the first step.
@@ -60,7 +62,8 @@ class GIFT(GiftCore, Compressor):
     step_kind = HorovodStep
 
     @with_options()
-    def __init__(self, model, *, process_set=None, config=None, **options):
+    def __init__(self, model: torch.nn.Module, *, process_set: Optional[hvd.ProcessSet] = None,
+                 config: Optional[GiftConfig] = None, **options) -> None:
         if not hvd.is_initialized():
             raise RuntimeError("GIFT: call hvd.init() before creating GIFT(model, ...)")
         self.requested_process_set = process_set
@@ -77,7 +80,6 @@ class GIFT(GiftCore, Compressor):
         self.unhooked = internals.UnhookedParameters(self.params, self.config.nonfinite,
                                                      self.config.verbose)
         self.grad_names = internals.GradientNames(self.params)
-        self.reset_step()
         internals.refuse_other_optimizers(self, GIFT)
         weakref.finalize(self, self.statistics.remove_hooks)
 
@@ -143,12 +145,9 @@ class GIFT(GiftCore, Compressor):
             shape, dtype = self.current.shapes[name]
             u = self.current.pipeline.finish(self.bucket_of[name]).pop(name)
             result = self.result(name, u, shape, dtype)
-        try:
-            self.check_finite(name, result)
-        except FloatingPointError:
-            self.scrub(self.current.pipeline)
-            self.reset_step()
-            raise
+        if self.is_nonfinite(result):    # the same bytes on every rank: every rank raises
+            self.abandon_step()
+            raise self.nonfinite_error(name)
         self.current.outstanding -= 1
         if self.current.outstanding == 0:
             self._end_step()
@@ -164,8 +163,7 @@ class GIFT(GiftCore, Compressor):
         if self.current.joined:     # every tensor takes Horovod's fp32 path; nothing else runs
             self.telemetry.add(joined_steps=1)
             self.current.plain = True
-            if self._pending_rank_state is not NOTHING_PENDING:
-                self._load_rank_state(self._pending_rank_state)
+            self.apply_loaded()
             self.statistics.advance()
             return
         self.current.plain = not self.begin_step(largest_step)
@@ -179,10 +177,13 @@ class GIFT(GiftCore, Compressor):
         self.plan.start_vote()
 
     def _end_step(self):
-        self.scrub(self.current.pipeline)
         self.unhooked.average(self.current.sent, self.average, self.process_set)
         self.end_step(voted=not self.current.joined)
-        self.reset_step()
+
+    def reset_rank_state(self) -> None:
+        """GiftCore's; the Horovod optimizer is bound again at the next step."""
+        super().reset_rank_state()
+        self._optimizer = None
 
 
 def _check_instance(obj):

@@ -29,8 +29,11 @@ Two hops: when the ranks of a replica group hold the same parameters (DDP inside
 1/L of the pseudo-gradient across replicas (reduce/two_hop.py, the replica group as the node).
 Under FSDP2 inside the group each rank's local shard is already 1/L: the reduction is flat.
 """
+from __future__ import annotations
+
 import logging
 import zlib
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,6 +46,9 @@ from ..core.pseudo_gradients import PseudoGradientState
 from ..reduce.topology import Flat, TwoHop
 from ..torch_comm import ProcessGroupCommunicator, TorchCommunicator
 from . import torchft_internals as internals
+
+if TYPE_CHECKING:
+    from torchft.manager import Manager
 
 logger = logging.getLogger("horovod_gift")
 
@@ -61,8 +67,11 @@ class GiftDiLoCo(DiLoCo):
     the default group when one is initialized); config / options: GiftConfig's fields, with
     DiLoCo's defaults (GiftConfig.for_diloco)."""
 
-    def __init__(self, manager, model_fragments, inner_optimizer, outer_optimizer, sync_every,
-                 *, group=None, config=None, **options):
+    def __init__(self, manager: Manager, model_fragments: list[torch.nn.Module],
+                 inner_optimizer: torch.optim.Optimizer,
+                 outer_optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
+                 sync_every: int, *, group: Optional[dist.ProcessGroup] = None,
+                 config: Optional[GiftConfig] = None, **options) -> None:
         diloco_options = {k: options.pop(k) for k in list(options)
                           if k in ("backup_device", "pin_memory", "fragment_sync_delay",
                                    "fragment_update_alpha", *REPLACED)}
@@ -109,12 +118,12 @@ class GiftDiLoCo(DiLoCo):
                              f"parameters inside a replica group: {why}")
         return None
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
         """This rank's GIFT state, to save beside the user's checkpoint (one file a rank)."""
         return {"config": shared_options(self.config),
                 "fragments": [sync.state.state_dict() for sync in self.syncs]}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
         check_options(self.config, state["config"], "the checkpoint")
         if len(state["fragments"]) != len(self.syncs):
             raise ValueError(f"GiftDiLoCo: the checkpoint has {len(state['fragments'])} "
@@ -122,7 +131,7 @@ class GiftDiLoCo(DiLoCo):
         for sync, fragment_state in zip(self.syncs, state["fragments"]):
             sync.state.load_state_dict(fragment_state)
 
-    def stats(self):
+    def stats(self) -> dict:
         """Bytes sent by this rank in the last sync of each fragment, and residual bytes."""
         return {"bytes_sent": [sync.bytes_sent for sync in self.syncs],
                 "residual_bytes": sum(sync.state.residual_bytes() for sync in self.syncs)}

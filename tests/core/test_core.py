@@ -51,7 +51,6 @@ class LocalFrontend:
         core, grads = self.core, {n: p.grad for n, p in self.model.named_parameters()}
         if poison is not None:
             grads[poison].view(-1)[0] = float("inf")
-        core.reset_step()
         assert core.begin_step()
         compressed = [n for bucket in core.buckets for n in bucket]
         for name in compressed:
@@ -64,7 +63,6 @@ class LocalFrontend:
         for name in compressed:
             u = core.current.pipeline.finish(core.bucket_of[name]).pop(name)
             grads[name].copy_(core.result(name, u, grads[name].shape, grads[name].dtype))
-        core.scrub(core.current.pipeline)
         for name in sorted(set(grads) - set(compressed)):
             grads[name].copy_(self.comm.allreduce(grads[name], "sum", f"fp32.{name}")
                               / self.comm.size)
