@@ -130,7 +130,7 @@ def die(optimizer, args, kwargs):
     if (len(steps) == {step} and os.environ["RANK"] == "1"
             and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
         open({marker!r}, "w").close()
-        os.kill(os.getpid(), signal.{signal})
+        {die}
 
 register_optimizer_step_pre_hook(die)
 train_llama.main()
@@ -138,19 +138,26 @@ train_llama.shutdown()
 """
 
 
-@pytest.mark.parametrize("signal", ["SIGKILL", "SIGTERM"])
+DEATHS = {"SIGKILL": "os.kill(os.getpid(), signal.SIGKILL)",
+          "SIGTERM": "os.kill(os.getpid(), signal.SIGTERM)",
+          "exit 1": "os._exit(1)"}
+
+
+@pytest.mark.parametrize("engine, death", [("ddp", "SIGKILL"), ("ddp", "SIGTERM"),
+                                           ("ddp", "exit 1"), ("fsdp", "SIGKILL")])
 def test_a_rank_killed_mid_step_under_torchrun_max_restarts_resumes_bit_for_bit(tmp_path,
-                                                                                signal):
-    """DDP + GIFT INT3 on 2 ranks, a checkpoint every 4 steps; rank 1 killed in step 9 of the
-    first attempt. torchrun stops the survivor and starts both again; the example's process group
-    connects (engines.init_process_group), --resume auto loads step 8, and step 12 ends with the
-    bits of an uninterrupted run (parameters, the optimizer's state and GIFT's residuals)."""
+                                                                                engine, death):
+    """DDP or FSDP2 + GIFT INT3 on 2 ranks, a checkpoint every 4 steps; rank 1 dies in step 9 of
+    the first attempt (killed, terminated, or exiting 1). torchrun stops the survivor and starts
+    both again; the example's process group connects (engines.init_process_group), --resume auto
+    loads step 8, and step 12 ends with the bits of an uninterrupted run (parameters, the
+    optimizer's state and GIFT's residuals; FSDP: every rank's shards)."""
     script = tmp_path / "dies.py"
     marker, resumed_steps = tmp_path / "killed", tmp_path / "resumed-steps"
     script.write_text(DIES_IN_STEP.format(examples=str(ROOT / "examples"), step=9,
-                                          signal=signal, marker=str(marker),
+                                          die=DEATHS[death], marker=str(marker),
                                           resumed=str(resumed_steps)))
-    common = [*TRAIN, "--engine", "ddp", "--compression", "gift-int3", "--steps", "12"]
+    common = [*TRAIN, "--engine", engine, "--compression", "gift-int3", "--steps", "12"]
     straight, restarted = tmp_path / "straight.pt", tmp_path / "restarted.pt"
     result = torchrun(2, *common, "--checkpoint", str(straight))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -160,6 +167,12 @@ def test_a_rank_killed_mid_step_under_torchrun_max_restarts_resumes_bit_for_bit(
     assert marker.exists(), "rank 1 was not killed: the test tested nothing"
     # the restarted attempt resumed at step 8 (from the checkpoint), not from the start
     assert resumed_steps.read_text() == "x" * 4, resumed_steps.read_text()
+    if engine == "fsdp":    # every rank saved its own shards, optimizer and GIFT state
+        for rank in range(2):
+            mine = torch.load(f"{straight}.gift-rank{rank}", weights_only=False)
+            theirs = torch.load(f"{restarted}.gift-rank{rank}", weights_only=False)
+            assert same_bits(mine, theirs), f"rank {rank}'s state differs"
+        return
     a = torch.load(straight, weights_only=False)
     b = torch.load(restarted, weights_only=False)
     for name in a["model"]:
@@ -174,7 +187,9 @@ def test_a_rank_killed_mid_step_under_torchrun_max_restarts_resumes_bit_for_bit(
 
 
 def same_bits(a, b):
-    """Whether two nested states hold the same tensors bit for bit and the same other values."""
+    """Whether two nested states hold the same tensors bit for bit and the same other values
+    (a DTensor: its local shard)."""
+    a, b = (t.to_local() if hasattr(t, "to_local") else t for t in (a, b))
     if torch.is_tensor(a):
         return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
     if isinstance(a, dict):
