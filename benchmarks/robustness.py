@@ -40,8 +40,10 @@ CODECS = [("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", 32), ("nvfp4", No
 # (results/robustness.md). Forced whitening has its own, looser bounds: with factors from earlier
 # batches it puts error where those batches' inputs had little energy, so it is large in Euclidean
 # terms (NVFP4: about 1.2); those bounds only catch gross corruption.
-BOUNDS = {"fp8_e4m3": 0.15, "fp8_e5m2": 0.35, "nvfp4": 0.8, "int3": 1.5}
-WHITENED_BOUNDS = {"fp8_e4m3": 0.8, "fp8_e5m2": 1.7, "nvfp4": 2.5, "int3": 5.0}
+# INT3's exceed 1 (measured up to 1.16: with error feedback a step's result carries what earlier
+# steps owed), so a result of zeros (error 1) is judged by a check of its own.
+BOUNDS = {"fp8_e4m3": 0.15, "fp8_e5m2": 0.35, "nvfp4": 0.8, "int3": 2.2}
+WHITENED_BOUNDS = {"fp8_e4m3": 0.8, "fp8_e5m2": 1.7, "nvfp4": 2.5, "int3": 2.4}
 ODD_SIZES = [0, 1, 15, 17, (1 << 20) + 3]
 VERDICTS = ["ok", "silent corruption", "rank disagreement", "unexpected error", "hang"]
 CONFIGS = "horovod:2,horovod:4,horovod:4:2,ddp:2,ddp:4,ddp:4:2"
@@ -232,16 +234,12 @@ def all_cases(engine):
                 ),
             )
         )
-    out.append(
-        (
-            "ranks disagree",
-            "model shapes differ",
-            lambda: expect_error(
-                lambda: train(dict(format="nvfp4"), hidden=172 if rank() == 0 else 160),
-                "differs across ranks in model",
-            ),
-        )
-    )
+    # (DDP checks the shapes itself when it wraps the model, before GIFT exists, and raises
+    # only on the ranks whose shapes differ from rank 0's: DDP's behaviour, not GIFT's)
+    if engine == "horovod":
+        out.append(("ranks disagree", "model shapes differ", lambda: expect_error(
+            lambda: train(dict(format="nvfp4"), hidden=172 if rank() == 0 else 160),
+            "differs across ranks in model")))
     out.append(
         (
             "ranks disagree",
@@ -412,6 +410,8 @@ def judge(outcome):
                     f"step {step} {name}: finite inputs came back non-finite",
                 )
             norm = exact.norm()
+            if norm > 0 and not avg.any():
+                return "silent corruption", f"step {step} {name}: the result is all zeros"
             err = (
                 float((avg.double() - exact).norm() / norm) if norm > 0 else float((avg != 0).any())
             )
@@ -498,27 +498,19 @@ def launch(config, out, extra, case_timeout):
         cmd = [str(pathlib.Path(sys.executable).with_name("torchrun")), "--standalone",
                "--nproc-per-node", str(np), *worker]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    started = time.time()
-    log = out / "job.log"
-    while proc.poll() is None:
-        time.sleep(0.5)
-        progress = out / "progress"
-        since = json.loads(progress.read_text())["since"] if progress.exists() else started
-        if time.time() - max(since, started) > case_timeout:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            log.write_text(proc.stdout.read())
-            return "hang"
-    log.write_text(proc.stdout.read())
+    # the job's output to a file: a pipe read only at the end blocks a job that writes 64 KB
+    with open(out / "job.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        started = time.time()
+        while proc.poll() is None:
+            time.sleep(0.5)
+            progress = out / "progress"
+            since = json.loads(progress.read_text())["since"] if progress.exists() else started
+            if time.time() - max(since, started) > case_timeout:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+                return "hang"
     return "done" if proc.returncode == 0 else f"exit {proc.returncode}"
 
 

@@ -208,6 +208,28 @@ def test_parameter_that_becomes_trainable_mid_run():
     assert_identical_on_all_ranks(list(model.parameters()), "parameters after unfreezing")
 
 
+def test_a_non_finite_unfrozen_parameter_raises_on_every_rank_and_ends_gifts_step():
+    """nonfinite="raise" holds for a parameter GIFT averages itself (trainable since the
+    optimizer was wrapped): every rank raises naming it, and GIFT's step still ends on every rank
+    (counted, residuals scrubbed, a fresh step state). Horovod's optimizer keeps its handles after
+    an exception in synchronize(), so the job cannot step on: the error is for stopping it."""
+    model = TinyLM()
+    model.head.weight.requires_grad_(False)
+    compression = gift.GIFT(model, format="nvfp4", nonfinite="raise", verbose=False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=compression)
+    model.head.weight.requires_grad_(True)
+    if hvd.rank() == hvd.size() - 1:
+        model.head.weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+    x, y = batch(0, hvd.rank())
+    torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    with pytest.raises(FloatingPointError, match="gradient of head.weight is not finite"):
+        opt.synchronize()
+    assert compression.step == 1 and not compression.current.in_step
+    assert compression.current.outstanding == 0
+
+
 def test_plain_optimizer_on_a_gift_model_raises_on_every_rank():
     model = TinyLM()
     compression = gift.GIFT(

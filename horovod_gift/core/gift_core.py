@@ -7,7 +7,8 @@ makes a GiftCore over a Communicator (reduce/communicator.py) and a Topology
     transformed(name, g)    u = T(g) with error feedback folded in where it can be
     start(bucket)           the bucket's quantized reduction, once all its members are in
     result(name)            T^-1 of the reduced u, in the gradient's shape and dtype
-    end_step()              scrub non-finite residuals, the "auto" vote, step += 1
+    end_step()              scrub non-finite residuals, the "auto" vote, step += 1, a new step
+                            state (abandon_step(): a step that raised midway, not counted)
 The reductions of a step live in a StagePipeline (reduce/pipeline.py); when each moves to its next
 stage is the frontend's choice (Horovod matches collectives by name, torch.distributed by call
 order).

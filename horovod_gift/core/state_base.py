@@ -143,7 +143,8 @@ class GiftStateBase:
             return
         self._forget_rank_state()
         # every rank is in the same case unless only the rank differs: one warning then
-        if self.comm.rank == 0 or (saved is not None and saved["ranks"] == self.comm.size):
+        if self.comm.rank == 0 or (saved is not None and saved["ranks"] == self.comm.size
+                                   and saved["rank"] != self.comm.rank):
             logger.warning("%s.load_state_dict: %s; error-feedback residuals and statistics "
                            "histories restart at zero (the rest is kept)", self.label, why)
 

@@ -77,8 +77,7 @@ class GIFT(GiftCore, Compressor):
                 self.config.topology, self.config.node_size, process_set))
         self._optimizer = None          # weak reference to the Horovod optimizer served
         # Parameters frozen now and trained later take an fp32 path: buckets must not wait for them.
-        self.unhooked = internals.UnhookedParameters(self.params, self.config.nonfinite,
-                                                     self.config.verbose)
+        self.unhooked = internals.UnhookedParameters(self.params, self.config.verbose)
         self.grad_names = internals.GradientNames(self.params)
         internals.refuse_other_optimizers(self, GIFT)
         weakref.finalize(self, self.statistics.remove_hooks)
@@ -177,8 +176,11 @@ class GIFT(GiftCore, Compressor):
         self.plan.start_vote()
 
     def _end_step(self):
-        self.unhooked.average(self.current.sent, self.average, self.process_set)
+        reduced = self.unhooked.average(self.current.sent, self.average, self.process_set)
+        nonfinite = next((name for name, g in reduced if self.is_nonfinite(g)), None)
         self.end_step(voted=not self.current.joined)
+        if nonfinite is not None:   # the step ended on every rank alike: every rank raises
+            raise self.nonfinite_error(nonfinite)
 
     def reset_rank_state(self) -> None:
         """GiftCore's; the Horovod optimizer is bound again at the next step."""

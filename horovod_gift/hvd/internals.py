@@ -165,19 +165,20 @@ class UnhookedParameters:
     """Parameters frozen when the optimizer was wrapped and trainable later: Horovod hooks only
     the parameters trainable at construction, so GIFT averages these itself at the end of a step."""
 
-    def __init__(self, params, nonfinite, verbose):
-        self.params, self.nonfinite, self.verbose = params, nonfinite, verbose
+    def __init__(self, params, verbose):
+        self.params, self.verbose = params, verbose
         self.frozen_at_start = sorted(n for n, p in params.items() if not p.requires_grad)
         self._late_reported = []
 
     def average(self, sent, average, process_set):
         """Reduce, in fp32, the gradients of parameters that were frozen when the optimizer was
         wrapped and are trainable now: Horovod hooks only the parameters trainable at
-        construction, so without this each rank would step with its own gradient."""
+        construction, so without this each rank would step with its own gradient. Returns
+        (name, reduced flat gradient) of each."""
         late = [n for n in self.frozen_at_start
                 if self.params[n].requires_grad and n not in sent]
         if not late:
-            return
+            return []
         if late != self._late_reported and self.verbose and hvd.rank() == 0:
             logger.warning("parameters trainable since the optimizer was wrapped, reduced in fp32 "
                            "by GIFT: %s", ", ".join(late))
@@ -195,9 +196,7 @@ class UnhookedParameters:
         for n, avg in zip(late, reduced):
             p = self.params[n]
             p.grad.copy_(avg.view(p.shape))
-            if self.nonfinite == "raise" and not torch.isfinite(avg).all():
-                raise FloatingPointError(f"GIFT: the averaged gradient of {n} is not finite "
-                                         "(a rank's gradient held NaN or Inf)")
+        return list(zip(late, reduced))
 
 
 def node_process_sets(groups):
