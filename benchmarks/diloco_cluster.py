@@ -202,7 +202,7 @@ def report(losses, timing, target, args, wall):
               "the parameters. vs DDP fp32: the ratio of median times to target. Held-out at the "
               "end: after each arm's own step budget (DDP's is shorter); the differences are "
               "paired over seeds with a 95 % interval (t).", "",
-              "![held-out loss against time](diloco_cluster.png)", ""]
+              f"![held-out loss against time]({args.out.with_suffix('.png').name})", ""]
     args.out.write_text("\n".join(lines))
     print("\n".join(lines))
 
