@@ -140,12 +140,27 @@ def paired(results, a, b):
     return [results[(a, s)]["final"] - results[(b, s)]["final"] for s in seeds]
 
 
+# a reading written by hand into the report, kept when the script rewrites it
+READING = ("<!-- reading: written by hand, kept when scaling.py rewrites this file -->",
+           "<!-- /reading -->")
+
+
+def kept_reading(path):
+    text = path.read_text() if path.exists() else ""
+    start, end = text.find(READING[0]), text.find(READING[1])
+    return [text[start:end + len(READING[1])], ""] if 0 <= start < end else []
+
+
 def report(args):
     """Tables from whatever CSVs exist, and the two plots."""
-    saved = args.runs / "command.txt"     # the sweep's command, not --report-only's
-    command = saved.read_text().strip() if saved.exists() else shlex.join(sys.argv[1:])
+    saved = args.runs / "commands.txt"     # every sweep's command, in order
+    commands = (saved.read_text().splitlines() if saved.exists()
+                else [shlex.join(sys.argv[1:])])
     lines = [f"# Scaling: the loss gap against width ({time.strftime('%Y-%m-%d')})", "",
-             f"Command: `nice -n 19 .venv/bin/python benchmarks/scaling.py {command}`", "",
+             *kept_reading(args.out),
+             "Commands (in order; each reuses the runs before it):", "",
+             *(f"- `nice -n 19 .venv/bin/python benchmarks/scaling.py {c}`" for c in commands),
+             "",
              f"examples/train_llama.py --engine ddp on 2 ranks (torchrun, gloo), one 2-core "
              f"machine, {args.steps} steps of 16 x 128 bytes a rank; layers = dim/64 (>= 2), "
              "heads = dim/32, AdamW lr = 3e-3 * 128 / dim (muP's 1/width rule), 20 warm-up "
@@ -242,7 +257,8 @@ def main():
     args.runs.mkdir(parents=True, exist_ok=True)
     if args.report_only:
         return report(args)
-    (args.runs / "command.txt").write_text(shlex.join(sys.argv[1:]) + "\n")
+    with open(args.runs / "commands.txt", "a") as history:
+        history.write(shlex.join(sys.argv[1:]) + "\n")
     deadline = args.deadline and datetime.datetime.now(datetime.timezone.utc).replace(
         hour=int(args.deadline[:2]), minute=int(args.deadline[3:]), second=0).timestamp()
     last = {}       # dim -> wall seconds of its slowest run

@@ -21,8 +21,6 @@ same collectives, contributing zeros (and what its residuals still owe); the ave
 every rank, as DDP's own with divide_by_initial_world_size=True. no_sync() accumulates
 gradients locally: the hook runs on the synchronized backward only.
 """
-from __future__ import annotations
-
 import weakref
 from dataclasses import dataclass, field
 from typing import Optional
@@ -65,8 +63,10 @@ class GiftState(GiftCore):
     checkpoints are those of the wrapped module, so a GIFT state_dict() moves between Horovod
     and DDP jobs of the same model. process_group: the DDP model's by default. Warm-up steps
     (start_step) run DDP's own allreduce on the bucket, bit for bit as without a hook.
-    nonfinite="raise": a non-finite average raises FloatingPointError from backward on every
-    rank once the step's collectives are done (the next step is unaffected).
+    nonfinite="raise": a non-finite average raises from backward on every rank once the step's
+    collectives are done (the next step is unaffected); DDP re-raises the hook's
+    FloatingPointError as a RuntimeError whose message holds GIFT's ("the averaged gradient of
+    <name> is not finite").
     Made on every rank of the group, in the same order as the group's other collectives (with
     topology "auto" or "two-hop" it gathers the ranks' placement and may make node groups).
     """
@@ -245,7 +245,10 @@ class GiftState(GiftCore):
         return self.nonfinite_error(nonfinite[0]) if nonfinite else None
 
 
-def gift_hook(state: GiftState, bucket: dist.GradBucket) -> torch.futures.Future:
+# evaluated annotations (no `from __future__ import annotations` here): DDP's
+# register_comm_hook compares them with dist.GradBucket and Future[Tensor], and refuses others
+def gift_hook(state: "GiftState",
+              bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's communication hook: register it with model.register_comm_hook(GiftState(model),
     gift_hook). Returns the future of the bucket's averaged gradients."""
     if not isinstance(state, GiftState):

@@ -23,3 +23,13 @@ def test_every_parameter_and_the_result_is_annotated(entry):
                and p.annotation is p.empty]
     assert not untyped, f"{entry.__qualname__}: {untyped} have no annotation"
     assert signature.return_annotation is not signature.empty, entry.__qualname__
+
+
+def test_the_ddp_hooks_annotations_are_the_ones_ddp_accepts():
+    """DDP's register_comm_hook refuses a hook whose bucket or result annotation is anything but
+    dist.GradBucket and Future[Tensor] (a string annotation included)."""
+    import torch
+    import torch.distributed as dist
+    signature = inspect.signature(gift.gift_hook)
+    assert signature.parameters["bucket"].annotation is dist.GradBucket
+    assert signature.return_annotation == torch.futures.Future[torch.Tensor]
