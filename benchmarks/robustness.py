@@ -22,6 +22,7 @@ FSDP2 and HSDP are not in the campaign yet (their faults: torchrun_tests/test_fs
 """
 
 import argparse
+import copy
 import json
 import os
 import pathlib
@@ -65,11 +66,11 @@ class Horovod:
     def allgather(self, value):
         return self.mpi.allgather(value)
 
-    def wrap(self, model, options, misuse=False, unused=False):
-        """(the module to run, the optimizer, GIFT's state); misuse: the engine's misuse case."""
+    def wrap(self, model, base, options, misuse=False, unused=False):
+        """(the module to run, the optimizer to step, GIFT's state) for model and its optimizer
+        base; misuse: the engine's misuse case (base stepped without Horovod's wrapper)."""
         import horovod_gift as gift
         compression = gift.GIFT(model, verbose=False, **options)
-        base = torch_module().optim.SGD(model.parameters(), lr=0.05)
         if misuse:
             return model, base, compression
         return model, self.hvd.DistributedOptimizer(
@@ -77,11 +78,10 @@ class Horovod:
 
     def averaged(self, optimizer):
         """After backward: the gradients are averaged once this returns."""
-        if hasattr(optimizer, "synchronize"):     # Horovod's (not the misuse case's)
-            optimizer.synchronize()
+        optimizer.synchronize()
 
     def step(self, optimizer):
-        if hasattr(optimizer, "skip_synchronize"):
+        if hasattr(optimizer, "skip_synchronize"):      # Horovod's, not the misuse case's
             with optimizer.skip_synchronize():
                 optimizer.step()
         else:
@@ -105,18 +105,18 @@ class Ddp:
         self.dist.all_gather_object(out, value)
         return out
 
-    def wrap(self, model, options, misuse=False, unused=False):
-        """unused: a parameter may have no gradient on a rank (DDP needs to be told)."""
+    def wrap(self, model, base, options, misuse=False, unused=False):
+        """As Horovod.wrap; unused: a parameter may have no gradient on a rank (DDP needs to be
+        told)."""
         from torch.nn.parallel import DistributedDataParallel
 
         from horovod_gift.ddp import GiftState, gift_hook
-        torch = torch_module()
         ddp = DistributedDataParallel(model, find_unused_parameters=unused)
         # misuse: a state made for another model (a copy) registered on this one
-        target = __import__("copy").deepcopy(model) if misuse else ddp
+        target = copy.deepcopy(model) if misuse else ddp
         state = GiftState(target, process_group=ddp.process_group, verbose=False, **options)
         ddp.register_comm_hook(state, gift_hook)
-        return ddp, torch.optim.SGD(model.parameters(), lr=0.05), state
+        return ddp, base, state
 
     def averaged(self, optimizer):
         """DDP averaged the gradients in backward."""
@@ -128,11 +128,6 @@ class Ddp:
 ENGINES = {"horovod": Horovod, "ddp": Ddp}
 ENGINE = None       # the worker's (an instance of one of ENGINES)
 NODE_SIZE = None    # the worker's --node-size: GIFT's node_size option
-
-
-def torch_module():
-    import torch
-    return torch
 
 
 # ------------------------------------------------------------------------------------------ worker
@@ -303,7 +298,8 @@ def train(
         late.requires_grad_(False)
     if NODE_SIZE is not None:
         gift_kwargs = dict(gift_kwargs, node_size=NODE_SIZE)
-    module, opt, compression = ENGINE.wrap(model, gift_kwargs, misuse, skip_mlp_on_rank0)
+    base = torch.optim.SGD(model.parameters(), lr=0.05)
+    module, opt, compression = ENGINE.wrap(model, base, gift_kwargs, misuse, skip_mlp_on_rank0)
     if load_on_rank0:
         state = dict(compression.state_dict(), step=5)  # collective: every rank saves
         if rank() == 0:
