@@ -19,6 +19,11 @@ Time to target = steps to target x seconds per inner step. That product is the r
 because an arm's trajectory in steps does not depend on the link: every arm here is
 deterministic in steps (DDP and DiLoCo block at each sync; Streaming DiLoCo's overlap is a fixed
 number of steps), so the loss measured unshaped is the loss the shaped run would reach.
+Link-bound time to target = steps to target x sync seconds per inner step: that clock with the
+compute taken out, the limit a job approaches as its step's compute falls below its sync's share.
+On this 2-core CPU the example's step computes in 0.09-0.2 s, more than any DiLoCo arm's sync
+share, so the full clock ranks the arms mostly by their steps; the link-bound one ranks them by
+what they send and how often they sync, which is what a slow link decides.
 Writes benchmarks/results/diloco_cluster.md and diloco_cluster.png; raw JSON under
 runs/diloco_cluster/.
 """
@@ -37,6 +42,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import peers_net as net  # noqa: E402
 from convergence import interval  # noqa: E402
 from diloco_worker import ARMS  # noqa: E402
+from scaling import kept_reading  # noqa: E402
 
 RUNS = ROOT / "runs" / "diloco_cluster"
 # a step whose link sent more synchronized (the lighthouse's heartbeats and a quorum's requests
@@ -161,6 +167,7 @@ def report(losses, timing, target, args, wall):
     lines = [f"# DiLoCo + GIFT on shaped links ({time.strftime('%Y-%m-%d')})", "",
              "Command: `.venv/bin/python benchmarks/diloco_cluster.py "
              + shlex.join(sys.argv[1:]) + f"` ({wall / 60:.0f} min on 2 cores)", "",
+             *kept_reading(args.out),
              f"Example Llama dim {args.dim}, {args.layers} layers, {args.replicas} replica "
              "groups of one rank, each in its own network namespace with one link shaped both "
              f"ways; AdamW lr 3e-3, 16 x 128 bytes a replica a step; DDP {args.steps} steps, "
@@ -170,21 +177,26 @@ def report(losses, timing, target, args, wall):
              ""]
     ddp = [e[-1]["heldout"] for e in (losses["DDP fp32", s] for s in seeds)]
     for rate in args.rates:
-        base_time = None
+        base_time = base_link = None
         compute, costs = step_costs(timing, rate, args)
         lines += [f"## {rate}", "", f"Compute: {compute:.3f} s an inner step (every arm).", "",
                   "| arm | link bytes / inner step / parameter | sync s / inner step | "
                   "s / inner step | steps to target | time to target (s) | vs DDP fp32 | "
+                  "link-bound time to target (s) | vs DDP fp32, link-bound | "
                   "held-out at the end | vs DDP fp32 | vs DiLoCo fp32, same H |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for arm in args.arms:
             t = dict(costs[arm], parameters=timing[arm, rate]["parameters"])
             steps = [steps_to(losses[arm, s], target) for s in seeds]
             times = [None if n is None else n * t["seconds"] for n in steps]
+            links = [None if n is None else n * t["sync"] for n in steps]
             if arm == "DDP fp32":
                 base_time = statistics.median(x for x in times if x is not None)
-            got = [x for x in times if x is not None]
-            speed = f"{base_time / statistics.median(got):.1f}x" if got and base_time else "-"
+                base_link = statistics.median(x for x in links if x is not None)
+            speed, link_speed = (
+                f"{base / statistics.median(got):.1f}x" if got and base else "-"
+                for base, got in ((base_time, [x for x in times if x is not None]),
+                                  (base_link, [x for x in links if x is not None])))
             finals = [losses[arm, s][-1]["heldout"] for s in seeds]
             h = ARMS[arm][1]
             fp32 = f"DiLoCo fp32 H{h}"
@@ -194,12 +206,14 @@ def report(losses, timing, target, args, wall):
                 f"| {arm} | {t['bytes'] / t['parameters']:.4f} | {t['sync']:.4f} | "
                 f"{t['seconds']:.3f} | "
                 f"{spread(steps)} | {spread(times, digits=1)} | {speed} | "
+                f"{spread(links, digits=1)} | {link_speed} | "
                 f"{statistics.mean(finals):.4f} | "
                 f"{paired(finals, ddp) if arm != 'DDP fp32' else '-'} | {same_h} |")
         lines.append("")
     lines += ["Bytes: what a replica's shaped link sent per inner step over the second cycle "
               "(wire bytes, headers, ACKs and the lighthouse's heartbeats included), divided by "
-              "the parameters. vs DDP fp32: the ratio of median times to target. Held-out at the "
+              "the parameters. vs DDP fp32: the ratio of median times to target. Link-bound: steps "
+              "to target x sync seconds per inner step (the module docstring). Held-out at the "
               "end: after each arm's own step budget (DDP's is shorter); the differences are "
               "paired over seeds with a 95 % interval (t).", "",
               f"![held-out loss against time]({args.out.with_suffix('.png').name})", ""]

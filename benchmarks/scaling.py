@@ -141,7 +141,7 @@ def paired(results, a, b):
 
 
 # a reading written by hand into the report, kept when the script rewrites it
-READING = ("<!-- reading: written by hand, kept when scaling.py rewrites this file -->",
+READING = ("<!-- reading: written by hand, kept when the script rewrites this file -->",
            "<!-- /reading -->")
 
 
