@@ -192,6 +192,9 @@ def main():
     finally:
         replica.close()
     args.out.write_text(json.dumps(result))
+    # DDP's replica 0, which hosted the TCPStore, was seen to hang in the interpreter's exit on
+    # gloo's threads after its peer left: its result is written, so it leaves at once
+    os._exit(0)
 
 
 if __name__ == "__main__":
