@@ -112,7 +112,7 @@ def worker(arm, args):
     result = dict(arm=arm, param_bytes=param_bytes, seconds=seconds,
                   peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if options is not None:
-        residuals = compression.feedback.tensors()
+        residuals = compression.reducer.feedback.tensors()
         stats = tensors_in(compression.statistics)
         workspaces = list(getattr(reused_buffers._workspaces, "buffers", {}).values())
         result["held"] = {"residuals": nbytes(residuals), "statistics + factors": nbytes(stats),

@@ -1,16 +1,17 @@
 """Robustness campaign: bad input, rank disagreement and crashes, on real ranks of every
-engine GIFT has a step frontend for: Horovod (mpirun) and DDP (torchrun, gloo), each flat and with
-two hops over simulated nodes.
+engine GIFT has a step frontend for: Horovod (mpirun), DDP and FSDP2 (torchrun, gloo), each flat
+and with two hops over simulated nodes, and HSDP (benchmarks/robustness_engines.py).
 
     python benchmarks/robustness.py       # every configuration; prints the summary table
     python benchmarks/robustness.py --configs horovod:2,ddp:2 --md results/robustness.md
 
 A configuration is ENGINE:RANKS[:NODE_SIZE] (NODE_SIZE < RANKS: GIFT's two hops over nodes of
-that many ranks). Every case runs on every rank of one job and is judged on rank 0 from all
-ranks' outcomes:
+that many ranks; HSDP: its mesh's nodes). Every case runs on every rank of one job and is judged
+on rank 0 from all ranks' outcomes:
   ok                 gradients bit-identical on every rank, finite where every rank's input
                      was finite and within the format's error bound of the exact fp64
-                     average, non-finite where a rank's input was; or, where an error is the
+                     average (FSDP, HSDP: of FSDP's own fp32 reduction of the same gradients),
+                     non-finite where a rank's input was; or, where an error is the
                      defined outcome, every rank raised it
   silent corruption  ranks differ, a finite result is off by more than the bound, a non-finite input
                      came back finite, or a case that must raise did not
@@ -18,11 +19,9 @@ ranks' outcomes:
   unexpected error   every rank raised where no error is defined (loud, not silent)
   hang               the case did not finish within --case-timeout (the watchdog kills the job)
 A crash case per configuration checks that a rank raising mid-step ends the job non-zero in time.
-FSDP2 and HSDP are not in the campaign yet (their faults: torchrun_tests/test_fsdp*.py).
 """
 
 import argparse
-import copy
 import json
 import os
 import pathlib
@@ -34,6 +33,8 @@ import traceback
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from robustness_engines import ENGINES  # noqa: E402
 CODECS = [("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", 32), ("nvfp4", None),
           ("int3", None)]
 # Relative L2 error of one step's averaged gradient (error feedback included) allowed before a
@@ -47,87 +48,11 @@ BOUNDS = {"fp8_e4m3": 0.15, "fp8_e5m2": 0.35, "nvfp4": 0.8, "int3": 2.2}
 WHITENED_BOUNDS = {"fp8_e4m3": 0.8, "fp8_e5m2": 1.7, "nvfp4": 2.5, "int3": 2.4}
 ODD_SIZES = [0, 1, 15, 17, (1 << 20) + 3]
 VERDICTS = ["ok", "silent corruption", "rank disagreement", "unexpected error", "hang"]
-CONFIGS = "horovod:2,horovod:4,horovod:4:2,ddp:2,ddp:4,ddp:4:2"
+CONFIGS = "horovod:2,horovod:4,horovod:4:2,ddp:2,ddp:4,ddp:4:2,fsdp:2,fsdp:4:2,hsdp:4:2"
+TRANSFORMS = ("none", "hadamard", "whiten", "whiten+hadamard", "auto")
 
 
-# ------------------------------------------------------------------------------------------ engines
-class Horovod:
-    """GIFT as Horovod's compression (hvd.DistributedOptimizer) under mpirun."""
-    name = "horovod"
-    misuse = ("plain optimizer on a GIFT model", "with no Horovod wrapper")
-
-    def __init__(self):
-        import horovod.torch as hvd
-        from mpi4py import MPI
-        hvd.init(process_sets="dynamic")    # two hops add the nodes' process sets
-        self.hvd, self.mpi = hvd, MPI.COMM_WORLD
-        self.rank, self.size = hvd.rank(), hvd.size()
-
-    def allgather(self, value):
-        return self.mpi.allgather(value)
-
-    def wrap(self, model, base, options, misuse=False, unused=False):
-        """(the module to run, the optimizer to step, GIFT's state) for model and its optimizer
-        base; misuse: the engine's misuse case (base stepped without Horovod's wrapper)."""
-        import horovod_gift as gift
-        compression = gift.GIFT(model, verbose=False, **options)
-        if misuse:
-            return model, base, compression
-        return model, self.hvd.DistributedOptimizer(
-            base, named_parameters=model.named_parameters(), compression=compression), compression
-
-    def averaged(self, optimizer):
-        """After backward: the gradients are averaged once this returns."""
-        optimizer.synchronize()
-
-    def step(self, optimizer):
-        if hasattr(optimizer, "skip_synchronize"):      # Horovod's, not the misuse case's
-            with optimizer.skip_synchronize():
-                optimizer.step()
-        else:
-            optimizer.step()
-
-
-class Ddp:
-    """GIFT as DDP's communication hook (horovod_gift.ddp) under torchrun, on gloo."""
-    name = "ddp"
-    misuse = ("hook registered with another model's state", "GiftState(model) does not have")
-
-    def __init__(self):
-        import torch.distributed as dist
-        from engines import init_process_group
-        init_process_group("gloo")
-        self.dist = dist
-        self.rank, self.size = dist.get_rank(), dist.get_world_size()
-
-    def allgather(self, value):
-        out = [None] * self.size
-        self.dist.all_gather_object(out, value)
-        return out
-
-    def wrap(self, model, base, options, misuse=False, unused=False):
-        """As Horovod.wrap; unused: a parameter may have no gradient on a rank (DDP needs to be
-        told)."""
-        from torch.nn.parallel import DistributedDataParallel
-
-        from horovod_gift.ddp import GiftState, gift_hook
-        ddp = DistributedDataParallel(model, find_unused_parameters=unused)
-        # misuse: a state made for another model (a copy) registered on this one
-        target = copy.deepcopy(model) if misuse else ddp
-        state = GiftState(target, process_group=ddp.process_group, verbose=False, **options)
-        ddp.register_comm_hook(state, gift_hook)
-        return ddp, base, state
-
-    def averaged(self, optimizer):
-        """DDP averaged the gradients in backward."""
-
-    def step(self, optimizer):
-        optimizer.step()
-
-
-ENGINES = {"horovod": Horovod, "ddp": Ddp}
 ENGINE = None       # the worker's (an instance of one of ENGINES)
-NODE_SIZE = None    # the worker's --node-size: GIFT's node_size option
 
 
 # ------------------------------------------------------------------------------------------ worker
@@ -138,79 +63,49 @@ def cases(engine, only=""):
 
 
 def all_cases(engine):
+    kind = ENGINES[engine]
     out = []
     for fmt, block in CODECS:
         codec = fmt + (f"/{block}" if block else "")
         kw = dict(format=fmt, block_size=block)
-        for transform in ("none", "hadamard", "whiten", "whiten+hadamard", "auto"):
-            out.append(
-                (
-                    "clean steps",
-                    f"{codec} {transform}",
-                    lambda kw=kw, t=transform: train(dict(kw, transform=t)),
-                )
-            )
+        for transform in TRANSFORMS:
+            if transform in kind.transforms:
+                out.append(("clean steps", f"{codec} {transform}",
+                            lambda kw=kw, t=transform: train(dict(kw, transform=t))))
+            else:       # FSDP takes two of them: the others must be refused on every rank
+                out.append(("clean steps", f"{codec} {transform} (refused)",
+                            lambda kw=kw, t=transform: expect_error(
+                                lambda: train(dict(kw, transform=t)), "transform must be one of")))
         for value in ("nan", "inf", "-inf"):
-            out.append(
-                (
-                    "non-finite on one rank",
-                    f"{codec} {value} at step 1",
-                    lambda kw=kw, v=value: train(kw, poison=float(v)),
-                )
-            )
-        out.append(
-            (
-                "non-finite on one rank",
-                f"{codec} nan, nonfinite=raise",
-                lambda kw=kw: expect_error(
-                    lambda: train(dict(kw, nonfinite="raise"), poison=float("nan")), "is not finite"
-                ),
-            )
-        )
+            out.append(("non-finite on one rank", f"{codec} {value} at step 1",
+                        lambda kw=kw, v=value: train(kw, poison=float(v))))
+        # FSDP refuses "raise": each shard's sum is seen by its owner alone
+        raised = "nonfinite must be 'nan'" if kind.exact_by_reference else "is not finite"
+        out.append(("non-finite on one rank", f"{codec} nan, nonfinite=raise",
+                    lambda kw=kw, m=raised: expect_error(
+                        lambda: train(dict(kw, nonfinite="raise"), poison=float("nan")), m)))
         for scale in (1e30, 1e-30):
-            out.append(
-                (
-                    "extreme magnitudes",
-                    f"{codec} gradients x{scale:g}",
-                    lambda kw=kw, s=scale: train(kw, scale=s),
-                )
-            )
-        out.append(
-            (
-                "extreme magnitudes",
-                f"{codec} all-zero gradients",
-                lambda kw=kw: train(kw, scale=0.0),
-            )
-        )
-        out.append(
-            (
-                "missing and late gradients",
-                f"{codec} no gradient for the MLP on rank 0",
-                lambda kw=kw: train(kw, skip_mlp_on_rank0=True),
-            )
-        )
-        if engine == "horovod":     # GIFT averages it in fp32 (DDP: below)
-            out.append(
-                (
-                    "missing and late gradients",
-                    f"{codec} frozen layer made trainable at step 1",
-                    lambda kw=kw: train(kw, unfreeze_at=1),
-                )
-            )
+            out.append(("extreme magnitudes", f"{codec} gradients x{scale:g}",
+                        lambda kw=kw, s=scale: train(kw, scale=s)))
+        out.append(("extreme magnitudes", f"{codec} all-zero gradients",
+                    lambda kw=kw: train(kw, scale=0.0)))
+        if not kind.exact_by_reference:
+            # (FSDP2 reduce-scatters the gradients a rank has: ranks whose sets differ give it
+            # buffers of different sizes, with or without GIFT)
+            out.append(("missing and late gradients", f"{codec} no gradient for the MLP on rank 0",
+                        lambda kw=kw: train(kw, skip_mlp_on_rank0=True)))
+        if engine != "ddp":     # GIFT averages it (DDP: below)
+            out.append(("missing and late gradients",
+                        f"{codec} frozen layer made trainable at step 1",
+                        lambda kw=kw: train(kw, unfreeze_at=1)))
         for dtype in ("float16", "bfloat16", "float64"):
-            out.append(
-                ("parameter dtypes", f"{codec} {dtype}", lambda kw=kw, d=dtype: train(kw, dtype=d))
-            )
-        out.append(
-            (
-                "odd sizes",
-                f"{codec} 0, 1, 15, 17, 2^20+3 elements, non-contiguous",
-                lambda kw=kw: train(dict(kw, min_elements=1), odd_sizes=True),
-            )
-        )
+            out.append(("parameter dtypes", f"{codec} {dtype}",
+                        lambda kw=kw, d=dtype: train(kw, dtype=d)))
+        out.append(("odd sizes", f"{codec} 0, 1, 15, 17, 2^20+3 elements, non-contiguous",
+                    lambda kw=kw: train(dict(kw, min_elements=1), odd_sizes=True)))
     mismatches = [
         ("format", "nvfp4", "fp8_e4m3"),
-        ("transform", "auto", "none"),
+        ("transform", "auto" if "auto" in kind.transforms else "whiten", "none"),
         ("block_size", None, 32),
         ("seed", 0, 1),
         ("rounding", "nearest", "stochastic"),
@@ -219,33 +114,20 @@ def all_cases(engine):
         ("refresh_every", 50, 10),
     ]
     for field, a, b in mismatches:
-        out.append(
-            (
-                "ranks disagree",
-                f"{field} {a!r} vs {b!r}",
-                lambda f=field, a=a, b=b: expect_error(
-                    lambda: train({"format": "fp8_e4m3", f: a if rank() % 2 else b}),
-                    f"differs across ranks in {f}",
-                ),
-            )
-        )
+        out.append(("ranks disagree", f"{field} {a!r} vs {b!r}",
+                    lambda f=field, a=a, b=b: expect_error(
+                        lambda: train({"format": "fp8_e4m3", f: a if rank() % 2 else b}),
+                        f"differs across ranks in {f}")))
     # (DDP checks the shapes itself when it wraps the model, before GIFT exists, and raises
     # only on the ranks whose shapes differ from rank 0's: DDP's behaviour, not GIFT's)
-    if engine == "horovod":
+    if engine != "ddp":
         out.append(("ranks disagree", "model shapes differ", lambda: expect_error(
             lambda: train(dict(format="nvfp4"), hidden=172 if rank() == 0 else 160),
             "differs across ranks in model")))
-    out.append(
-        (
-            "ranks disagree",
-            "compressor state loaded on rank 0 only",
-            lambda: expect_error(
-                lambda: train(dict(format="nvfp4"), load_on_rank0=True),
-                "differs across ranks in step",
-            ),
-        )
-    )
-    case, message = ENGINES[engine].misuse
+    out.append(("ranks disagree", "compressor state loaded on rank 0 only",
+                lambda: expect_error(lambda: train(dict(format="nvfp4"), load_on_rank0=True),
+                                     "differs across ranks in step")))
+    case, message = kind.misuse
     out.append(("misuse", case, lambda: expect_error(
         lambda: train(dict(format="nvfp4"), misuse=True), message)))
     if engine == "ddp":
@@ -268,21 +150,17 @@ def expect_error(run, pattern):
     return {"error": None, "expected": pattern}
 
 
-def train(
-    gift_kwargs,
-    steps=3,
-    poison=None,
-    scale=1.0,
-    skip_mlp_on_rank0=False,
-    unfreeze_at=None,
-    dtype="float32",
-    odd_sizes=False,
-    hidden=172,
-    load_on_rank0=False,
-    misuse=False,
-):
+def full(tensor):
+    """A sharded tensor gathered whole (collective), else the tensor."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def train(gift_kwargs, steps=3, poison=None, scale=1.0, skip_mlp_on_rank0=False,
+          unfreeze_at=None, dtype="float32", odd_sizes=False, hidden=172, load_on_rank0=False,
+          misuse=False):
     """A few steps of a one-block Llama (plus odd-sized parameters if asked) on ENGINE; returns,
-    per step and parameter, the averaged gradient and every rank's local one, for judge()."""
+    per step and parameter, the averaged gradient and either every rank's local one or, where
+    the engine has no local one to read (exact_by_reference), the exact average, for judge()."""
     import torch
     from data import ByteBatches
     from model import Llama, LlamaConfig
@@ -292,75 +170,75 @@ def train(
     if odd_sizes:
         model.odd = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(n)) for n in ODD_SIZES)
     model = model.to(getattr(torch, dtype))
-    block = model.blocks[0]
-    late = block.mlp.w_down.weight
     if unfreeze_at is not None:
-        late.requires_grad_(False)
-    if NODE_SIZE is not None:
-        gift_kwargs = dict(gift_kwargs, node_size=NODE_SIZE)
+        model.blocks[0].mlp.w_down.weight.requires_grad_(False)
+    if ENGINE.gift_node_size is not None:
+        gift_kwargs = dict(gift_kwargs, node_size=ENGINE.gift_node_size)
     base = torch.optim.SGD(model.parameters(), lr=0.05)
+    by_reference = ENGINE.exact_by_reference and not misuse
+    reference = ENGINE.reference(model) if by_reference else None
     module, opt, compression = ENGINE.wrap(model, base, gift_kwargs, misuse, skip_mlp_on_rank0)
+    models = [model] + ([reference] if reference is not None else [])
     if load_on_rank0:
         state = dict(compression.state_dict(), step=5)  # collective: every rank saves
         if rank() == 0:
             compression.load_state_dict(state)
     data = ByteBatches(CORPUS, seq_len=32, batch_size=4, rank=rank())
     names = {p: n for n, p in model.named_parameters()}
-    if odd_sizes:
+    if odd_sizes and not by_reference:      # (FSDP's gradients are its own to lay out)
         model.odd[3].register_hook(
             lambda g: g.view(1, -1).expand(2, -1)[0]
         )  # a non-contiguous gradient
     history = []
     for step in range(steps):
         if step == unfreeze_at:
-            late.requires_grad_(True)
+            for m in models:
+                m.blocks[0].mlp.w_down.weight.requires_grad_(True)
+        if reference is not None:   # from the weights GIFT's run has now
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), reference.parameters()):
+                    q.to_local().copy_(p.to_local())
         hooks, local = [], {}
         if poison is not None and step == 1 and rank() == ENGINE.size - 1:  # before the capture
-            hooks.append(
-                block.attn.wq.weight.register_hook(
-                    lambda g: g.index_fill(0, torch.tensor([2]), poison)
-                )
-            )
-        hooks += [
-            p.register_hook(lambda g, n=n: local.__setitem__(n, g.detach().clone()))
-            for p, n in names.items()
-            if p.requires_grad
-        ]
+            if by_reference:    # into what reaches wq's output: its weight's gradient follows
+                hooks += [m.blocks[0].attn.wq.register_full_backward_pre_hook(
+                    lambda module, g: (g[0].index_fill(-1, torch.tensor([2]), poison),))
+                    for m in models]
+            else:
+                hooks.append(model.blocks[0].attn.wq.weight.register_hook(
+                    lambda g: g.index_fill(0, torch.tensor([2]), poison)))
+        if not by_reference:
+            hooks += [p.register_hook(lambda g, n=n: local.__setitem__(n, g.detach().clone()))
+                      for p, n in names.items() if p.requires_grad]
         x, y = data.next()
-        opt.zero_grad()
-        if skip_mlp_on_rank0 and rank() == 0:
-            block.mlp.forward = torch.zeros_like
-        logits, loss = module(x, y)
-        if skip_mlp_on_rank0 and rank() == 0:
-            del block.mlp.forward
-        if odd_sizes:
-            flat = torch.randn(
-                (1 << 20) + 3, generator=torch.Generator().manual_seed(step * 7 + rank())
-            )
-            loss = loss + sum((w * flat[: w.numel()]).square().sum() for w in model.odd) * 1e-6
-        (loss.float() * scale).backward()
+        for m, run in zip(models, [module, reference]):
+            (opt if m is model else m).zero_grad()
+            block = m.blocks[0]
+            if skip_mlp_on_rank0 and rank() == 0:
+                block.mlp.forward = torch.zeros_like
+            logits, loss = run(x, y)
+            if skip_mlp_on_rank0 and rank() == 0:
+                del block.mlp.forward
+            if odd_sizes:
+                flat = torch.randn((1 << 20) + 3,
+                                   generator=torch.Generator().manual_seed(step * 7 + rank()))
+                loss = loss + sum((w * flat[: w.numel()]).square().sum() for w in m.odd) * 1e-6
+            (loss.float() * scale).backward()
         for h in hooks:
             h.remove()
         if misuse:
             ENGINE.step(opt)
             continue
         ENGINE.averaged(opt)
-        history.append(
-            {
-                n: (
-                    p.grad.detach().clone() if p.grad is not None else None,
-                    local.get(n, torch.zeros_like(p)),
-                )
-                for p, n in names.items()
-                if p.requires_grad
-            }
-        )
+        exact = dict(zip(names.values(), reference.parameters())) if by_reference else {}
+        history.append({
+            n: (None if p.grad is None else full(p.grad).detach().clone(),
+                full(exact[n].grad) if by_reference else local.get(n, torch.zeros_like(p)))
+            for p, n in names.items() if p.requires_grad})
         ENGINE.step(opt)
     whitened = gift_kwargs.get("transform", "whiten").startswith("whiten")
-    return {
-        "history": history,
-        "bound": (WHITENED_BOUNDS if whitened else BOUNDS)[gift_kwargs["format"]],
-    }
+    return {"history": history, "exact_given": by_reference,
+            "bound": (WHITENED_BOUNDS if whitened else BOUNDS)[gift_kwargs["format"]]}
 
 
 def judge(outcome):
@@ -380,7 +258,8 @@ def judge(outcome):
     worst, bound = 0.0, outcome["bound"]
     for step, grads in enumerate(outcome["history"]):
         for name, (avg, local) in grads.items():
-            exact = sum(ENGINE.allgather(local.double())) / ENGINE.size
+            exact = (local.double() if outcome["exact_given"]
+                     else sum(ENGINE.allgather(local.double())) / ENGINE.size)
             if (
                 avg is None
                 or len(
@@ -423,8 +302,8 @@ def judge(outcome):
 def worker(args):
     from data import read_corpus
 
-    global CORPUS, ENGINE, NODE_SIZE
-    ENGINE, NODE_SIZE = ENGINES[args.engine](), args.node_size
+    global CORPUS, ENGINE
+    ENGINE = ENGINES[args.engine](args.node_size)
     CORPUS = read_corpus(max_bytes=200_000)
     out = pathlib.Path(args.out)
     if args.crash:
@@ -595,7 +474,7 @@ def main():
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--configs", default=CONFIGS,
-                   help="ENGINE:RANKS[:NODE_SIZE],... (engines: horovod, ddp)")
+                   help="ENGINE:RANKS[:NODE_SIZE],... (engines: " + ", ".join(ENGINES) + ")")
     p.add_argument(
         "--case-timeout",
         type=float,

@@ -22,6 +22,22 @@ TOPOLOGIES = ("auto", "flat", "two-hop")
 FSDP_TRANSFORMS = ("whiten", "none")
 # a pseudo-gradient is a sum of optimizer updates, not dY^T X: no input statistic describes it
 DILOCO_TRANSFORMS = ("hadamard", "none")
+# a field's metadata: the option changes the numbers, so ranks must agree on it and a checkpoint
+# must match it (numeric_options; each kind of state adds what else its ranks must share)
+NUMERIC = {"numeric": True}
+# options a frontend cannot honour (any value but the default raises), and why
+HOROVOD_DDP_REFUSED = {"param_format": "applies to FSDP's parameter all-gather only "
+                                       "(horovod_gift.fsdp.attach)"}
+FSDP_REFUSED = {"start_step": "FSDP has no fp32 warm-up path in GIFT",
+                "grad_scaler": "FSDP2 trains in bf16 or fp32, without a GradScaler",
+                "bucket_elements": "FSDP's groups are its buckets",
+                "hadamard_block": "FSDP takes no Hadamard rotation"}
+DILOCO_REFUSED = {"start_step": "every outer step is one GIFT reduction",
+                  "grad_scaler": "pseudo-gradients are differences of weights, not scaled "
+                                 "gradients",
+                  "node_size": "the replica group's process group (group=) is the node",
+                  "param_format": "DiLoCo all-gathers no parameters",
+                  "log_every": "torchft logs each sync"}
 
 
 @dataclass(frozen=True)
@@ -34,8 +50,15 @@ class GiftConfig:
 
     # the wire format of gradients: "nvfp4" (4.5 bits an element with its scales), "int3" (7
     # levels, 3.25 bits an element with its scales), "fp8_e4m3" or "fp8_e5m2" (8, plus one
-    # scale per block_size elements); NVFP4 and INT3 add 32 bits a tensor for its scale
-    format: str = "nvfp4"
+    # scale per block_size elements); NVFP4 and INT3 add 32 bits a tensor for its scale.
+    # FP8: 13x (E4M3) / 3x (E5M2) lower squared error a step than NVFP4, where links are fast
+    # enough that 4.5 bits gain little. INT3: 28 % fewer bytes than NVFP4 (at 2 x 4, two hops
+    # send 0.43 B a gradient element across a node's link against NVFP4's 0.58: cluster_int3.md,
+    # fsdp_cluster_int3.md); with whitening and error feedback -0.30 % (95 % CI -0.88 .. +0.27)
+    # of fp32's held-out loss over 20 paired seeds, NVFP4 +0.33 % (-0.11 .. +0.78)
+    # (convergence_int3_20seeds.md); its round trip's error is 1.6x NVFP4's even whitened
+    # (fidelity_int3.md): error feedback makes up for it
+    format: str = field(default="nvfp4", metadata=NUMERIC)
     # "whiten": the gradient of every compressed weight of a linear module (nn.Linear,
     # transformers' Conv1D, classes given to gift.register_linear; a weight tied to an LM head, by
     # the head's input) whitened with the symmetric inverse root of its input statistic
@@ -45,43 +68,50 @@ class GiftConfig:
     # 33-56 % more in AdamW's update (error moves onto coordinates with small second moments);
     # "hadamard" alone does the same without the gain. "auto" picks per tensor among the four by
     # the Euclidean round-trip error on each refresh step (4 codec round trips a tensor there):
-    # for SGD-like optimizers, where the Euclidean error is what counts. "none": no transform.
-    # FSDP takes "whiten" and "none", DiLoCo "hadamard" and "none".
-    transform: str = "whiten"
-    # keep each quantization stage's error and add it back next step
-    error_feedback: bool = True
-    # FP8's scale block (None: one scale a tensor); NVFP4's is fixed at 16, INT3's at 32
-    block_size: Optional[int] = None
-    # "nearest" or "stochastic" (seeded, the same on every rank)
-    rounding: str = "nearest"
+    # for SGD-like optimizers, where the Euclidean error is what counts. "hadamard" alone suits
+    # models without linear layers. "none": no transform. FSDP takes "whiten" and "none", DiLoCo
+    # "hadamard" and "none".
+    transform: str = field(default="whiten", metadata=NUMERIC)
+    # keep each quantization stage's error and add it back next step; False saves the residuals'
+    # memory (FSDP: +0.013 held-out loss without, fsdp_feedback.md)
+    error_feedback: bool = field(default=True, metadata=NUMERIC)
+    # FP8's scale block (None: one scale a tensor), a power of two: for gradients with outlier
+    # rows; NVFP4's is fixed at 16, INT3's at 32
+    block_size: Optional[int] = field(default=None, metadata=NUMERIC)
+    # "nearest" or "stochastic" (seeded, the same on every rank: unbiased a step, twice the
+    # squared error)
+    rounding: str = field(default="nearest", metadata=NUMERIC)
     # seeds the Hadamard rotation's signs and stochastic rounding (the same on every rank)
-    seed: int = 0
+    seed: int = field(default=0, metadata=NUMERIC)
     # the most elements in a bucket reduced together (Horovod, DDP): larger, fewer messages
     bucket_elements: int = 1 << 22
     # tensors under this many elements travel in fp32, uncompressed
-    min_elements: int = 1024
+    min_elements: int = field(default=1024, metadata=NUMERIC)
     # eigenpairs of each input statistic kept; the cost is O(out * in * rank) a gradient and
     # O(in * rank) memory. 64 gains 2-6 % over 32; 16 loses 7-15 %
-    whitening_rank: int = 32
+    whitening_rank: int = field(default=32, metadata=NUMERIC)
     # the floor added to each statistic, relative to its mean eigenvalue tr(A) / in: 1.0 was best
     # of 0.01 ... 3 (0.1: 1.3x more error, 3: 1.1x); lower it only with fresher statistics
-    damping: float = 1.0
+    damping: float = field(default=1.0, metadata=NUMERIC)
     # steps between recomputations of the whitening factors (an allreduce of in * (rank + 21)
     # floats, an O(in * rank^2) factorization on one rank and a broadcast, per input). Statistics
     # one step old gave 7 % less error than five steps old, and 1.3x less than 20
-    refresh_every: int = REFRESH_EVERY
-    # the statistics are an EMA with decay 1 - 1 / stat_window: 5 came within 3 % of a one-step-
-    # old statistic; 20 gave 5-10 % more error
-    stat_window: int = STAT_WINDOW
+    refresh_every: int = field(default=REFRESH_EVERY, metadata=NUMERIC)
+    # the statistics are an EMA with decay 1 - 1 / stat_window: 5 came within 3 % of a statistic
+    # one step old; 20 gave 5-10 % more error
+    stat_window: int = field(default=STAT_WINDOW, metadata=NUMERIC)
     # the randomized Hadamard rotation's block (a power of two)
     hadamard_block: int = 128
     # "nan": a non-finite gradient comes back NaN on every rank; "raise": every rank raises
+    # (Horovod, DDP: FSDP's owner of each shard's sum is the only rank to see it)
     nonfinite: str = "nan"
     # the residuals' dtype: torch.float32 or torch.bfloat16. They hold 1 + 1/ranks elements a
     # parameter element: 4 (1 + 1/n) bytes a parameter in fp32, half in bf16 (plus an fp32
     # workspace the size of the largest piece encoded). bf16 keeps about 3 significant digits of
-    # an error that is itself ~1e-2 of the gradient, for one conversion pass an encode
-    residual_dtype: torch.dtype = torch.float32
+    # an error that is itself ~1e-2 of the gradient, for one conversion pass an encode. Under
+    # HSDP fp32 costs 1.02 % of FSDP fp32's held-out loss against bf16's 1.27 % (10 seeds,
+    # hsdp_loss.md)
+    residual_dtype: torch.dtype = field(default=torch.float32, metadata=NUMERIC)
     # warm-up (Horovod, DDP): steps before it take the engine's own fp32 reduction, bit for bit
     # as without GIFT, while the whitening statistics gather; compression starts with zero
     # residuals
@@ -97,12 +127,14 @@ class GiftConfig:
     # reduce-scatter and allgather over all ranks, which sends (P - L) / P of every gradient
     # across nodes (L ranks a node). "two-hop": fp32 inside each node, the quantized reduction
     # across nodes on 1/L of each bucket: 1/L of flat's bytes across nodes
-    # (benchmarks/results/cluster.md). "auto": two-hop on several nodes of several ranks
+    # (benchmarks/results/cluster.md). "auto": two-hop on several nodes of several ranks; set
+    # "two-hop" to insist (an error says why it cannot be had). Under HSDP the mesh decides
     topology: str = "auto"
     # consecutive ranks a node (None: the launcher's local size, where ranks fill nodes in order,
     # as mpirun, horovodrun and torchrun place them); set it to simulate nodes on one host
     node_size: Optional[int] = None
-    # FSDP's parameter all-gather: None (fp32, FSDP's own) or "fp8_e4m3"
+    # FSDP's parameter all-gather: None (fp32, FSDP's own) or "fp8_e4m3" (FP8 with block
+    # scales: fsdp_cluster.md)
     param_format: Optional[str] = None
     # log what GIFT does at its first step
     verbose: bool = True
@@ -170,10 +202,7 @@ class GiftConfig:
             raise ValueError(f"GIFT (FSDP): nonfinite must be 'nan', got {self.nonfinite!r}: "
                              "each shard's sum is seen by its owner alone, so no rank can raise "
                              "for all of them")
-        for what, why in (("start_step", "FSDP has no fp32 warm-up path in GIFT"),
-                          ("grad_scaler", "FSDP2 trains in bf16 or fp32, without a GradScaler"),
-                          ("bucket_elements", "FSDP's groups are its buckets"),
-                          ("hadamard_block", "FSDP takes no Hadamard rotation")):
+        for what, why in FSDP_REFUSED.items():
             if getattr(self, what) != getattr(default, what):
                 raise ValueError(f"GIFT (FSDP): {what} does not apply: {why}")
 
@@ -191,19 +220,20 @@ class GiftConfig:
                              f"{self.transform!r}: a pseudo-gradient is a sum of optimizer "
                              "updates, which the inputs' statistics do not whiten "
                              "(benchmarks/results/diloco.md)")
-        for what, why in (("start_step", "every outer step is one GIFT reduction"),
-                          ("grad_scaler", "pseudo-gradients are differences of weights, not "
-                                          "scaled gradients"),
-                          ("node_size", "the replica group's process group (group=) is the node"),
-                          ("param_format", "DiLoCo all-gathers no parameters"),
-                          ("log_every", "torchft logs each sync")):
+        for what, why in DILOCO_REFUSED.items():
             if getattr(self, what) != getattr(default, what):
                 raise ValueError(f"GIFT (DiLoCo): {what} does not apply: {why}")
 
     def refuse_param_format(self, frontend):
-        if self.param_format is not None:
-            raise ValueError(f"{frontend}: param_format applies to FSDP's parameter all-gather "
-                             "only (horovod_gift.fsdp.attach)")
+        default = GiftConfig()
+        for what, why in HOROVOD_DDP_REFUSED.items():
+            if getattr(self, what) != getattr(default, what):
+                raise ValueError(f"{frontend}: {what} {why}")
+
+
+def numeric_options():
+    """The names of the options marked NUMERIC, in GiftConfig's order."""
+    return tuple(f.name for f in dataclasses.fields(GiftConfig) if f.metadata.get("numeric"))
 
 
 def with_options(defaults=GiftConfig):

@@ -30,7 +30,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .config import GiftConfig, with_options
-from .core.gift_core import GiftCore, StepState, sparse_gradient_parameters
+from .core.gift_core import (
+    GiftCore,
+    StepState,
+    is_nonfinite,
+    nonfinite_error,
+    sparse_gradient_parameters,
+)
 from .reduce.collective import Fp32Reduction
 from .torch_comm import TorchCommunicator, torch_topology
 
@@ -110,7 +116,7 @@ class GiftState(GiftCore):
         nodes chosen again now: collective over the group."""
         super().reset_rank_state()
         self.set_comm(TorchCommunicator(self.process_group, self.device))
-        self.topology = self._topology()
+        self.reducer.topology = self._topology()
 
     # ---------------------------------------------------------------- the hook
     def hook(self, bucket):
@@ -137,8 +143,8 @@ class GiftState(GiftCore):
             return future
         entry = self._take(bucket)
         self._advance_earlier()
-        for gift_bucket in sorted({self.bucket_of[n] for n, _ in entry.compressed}):
-            names = self.buckets[gift_bucket]
+        for gift_bucket in sorted({self.reducer.bucket_of[n] for n, _ in entry.compressed}):
+            names = self.reducer.buckets[gift_bucket]
             if all(n in step.u for n in names):
                 self._start(gift_bucket)
         step.waiting.append(entry)
@@ -173,18 +179,19 @@ class GiftState(GiftCore):
             if name is None:
                 raise ValueError("gift_hook: DDP reduces a parameter the model given to "
                                  "GiftState(model) does not have; pass the DDP model itself")
-            (entry.compressed if name in self.bucket_of else entry.small).append((name, grad))
+            compressed = name in self.reducer.bucket_of
+            (entry.compressed if compressed else entry.small).append((name, grad))
         if entry.small:
             flat = torch.cat([g.reshape(-1).to(torch.float32) for _, g in entry.small])
             entry.small_reduction = Fp32Reduction("gift.small", flat, self.comm,
                                                   self.comm.size).start()
             self.telemetry.add(uncompressed_elements=flat.numel(), payload_bytes=4 * flat.numel())
         for name, grad in entry.compressed:
-            self.take(name, grad)
+            self.reducer.take(self.current, name, grad)
         return entry
 
     def _start(self, bucket):
-        self.start(bucket)
+        self.reducer.start(self.current, bucket, self.step)
         self.current.started_at[bucket] = self.current.hooks
 
     def _advance_earlier(self):
@@ -204,14 +211,14 @@ class GiftState(GiftCore):
         them with everything=True: the step's last hook)."""
         step = self.current
         for entry in list(step.waiting):
-            buckets = {self.bucket_of[n] for n, _ in entry.compressed}
+            buckets = {self.reducer.bucket_of[n] for n, _ in entry.compressed}
             small_sent = entry.small_reduction is None or entry.small_reduction.stage == 2
             if not everything and (not small_sent
                                    or any(b not in step.pipeline.results for b in buckets)):
                 continue
             for name, grad in entry.compressed:
-                u = step.pipeline.finish(self.bucket_of[name]).pop(name)
-                result = self.result(name, u, grad.shape, grad.dtype)
+                u = step.pipeline.finish(self.reducer.bucket_of[name]).pop(name)
+                result = self.reducer.result(name, u, grad.shape, grad.dtype)
                 grad.copy_(result)
                 self._note_finite(name, result)
             if entry.small:
@@ -226,7 +233,7 @@ class GiftState(GiftCore):
             entry.future.set_result(entry.buffer)
 
     def _note_finite(self, name, result):
-        if self.is_nonfinite(result):
+        if is_nonfinite(self.config, result):
             self.current.nonfinite.append(name)
 
     def _finish_step(self):
@@ -234,7 +241,7 @@ class GiftState(GiftCore):
         zeros), move every reduction to its end in bucket order, set every future. Returns the
         FloatingPointError of a non-finite average under nonfinite="raise", else None."""
         step = self.current
-        self.start_the_rest()
+        self.reducer.start_the_rest(self.current, self.step)
         for bucket in sorted(step.pipeline.in_flight):
             while bucket in step.pipeline.in_flight:
                 step.pipeline.advance(bucket)
@@ -242,7 +249,7 @@ class GiftState(GiftCore):
         self._resolve(everything=True)
         nonfinite = step.nonfinite
         self.end_step()
-        return self.nonfinite_error(nonfinite[0]) if nonfinite else None
+        return nonfinite_error(nonfinite[0]) if nonfinite else None
 
 
 # evaluated annotations (no `from __future__ import annotations` here): DDP's

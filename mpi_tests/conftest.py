@@ -24,7 +24,8 @@ if os.environ.get("GIFT_TEST_NODE_SIZE"):
         def _bind(self, optimizer):     # a silent fall back to flat would test nothing here
             super()._bind(optimizer)
             if self.process_set.process_set_id == 0 and self.config.topology == "auto":
-                assert self.topology.description[0] == "two-hop", self.topology.describe()
+                topology = self.reducer.topology
+                assert topology.description[0] == "two-hop", topology.describe()
 
     horovod_gift.GIFT = NodesOfTheTestSize
 

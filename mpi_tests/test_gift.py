@@ -131,7 +131,7 @@ def fixed_gradient_mean_error(error_feedback, rounds, residual_dtype=torch.float
         total += layer.weight.grad
         errors.append(float((total / k - truth).norm() / truth.norm()))
     if error_feedback:
-        assert {r.dtype for r in compression.feedback.tensors()} == {residual_dtype}
+        assert {r.dtype for r in compression.reducer.feedback.tensors()} == {residual_dtype}
     return errors
 
 

@@ -44,7 +44,8 @@ def test_warm_up_steps_are_horovods_fp32_bit_for_bit_then_compression_starts():
     for k in range(5):
         expected = averaged_gradients(reference, reference_opt, k)
         if k == 3:
-            assert not compression.feedback.stage1, "residuals exist before compression started"
+            assert not compression.reducer.feedback.stage1, \
+                "residuals exist before compression started"
         got = averaged_gradients(model, opt, k)
         same = all(torch.equal(a, b) for a, b in zip(got, expected))
         assert same == (k < 3), f"step {k}: warm-up must be exactly Horovod fp32, then compressed"
@@ -55,7 +56,7 @@ def test_warm_up_steps_are_horovods_fp32_bit_for_bit_then_compression_starts():
             reference.load_state_dict(model.state_dict())
         assert_identical_on_all_ranks(got, f"averaged gradients at step {k}")
     assert compression.stats()["warmup_steps"] == 3
-    assert compression.feedback.stage1, "error feedback runs once compression has started"
+    assert compression.reducer.feedback.stage1, "error feedback runs once compression has started"
 
 
 def test_log_every_logs_one_line_on_rank_0_and_the_profiler_sees_the_codec(caplog):
@@ -128,11 +129,11 @@ def test_reset_rank_state_restarts_the_residuals_and_training_goes_on():
     opt = wrapped(model, compression)
     for k in range(2):
         averaged_gradients(model, opt, k)
-    assert compression.feedback.stage1 and compression.feedback.stage2
+    assert compression.reducer.feedback.stage1 and compression.reducer.feedback.stage2
     compression.reset_rank_state()
-    assert not compression.feedback.stage1 and not compression.feedback.stage2
+    assert not compression.reducer.feedback.stage1 and not compression.reducer.feedback.stage2
     got = averaged_gradients(model, opt, 2)
-    assert compression.feedback.stage1, "error feedback resumes after the reset"
+    assert compression.reducer.feedback.stage1, "error feedback resumes after the reset"
     assert_identical_on_all_ranks(got, "averaged gradients after reset_rank_state")
 
 
@@ -156,7 +157,7 @@ def test_a_state_from_another_number_of_ranks_keeps_all_but_the_residuals(change
         resumed.load_state_dict(state)
     warnings = [r.getMessage() for r in caplog.records if r.name == "horovod_gift"]
     assert len(warnings) == (1 if hvd.rank() == 0 else 0), warnings
-    assert not resumed.feedback.stage1 and not resumed.feedback.stage2
+    assert not resumed.reducer.feedback.stage1 and not resumed.reducer.feedback.stage2
     factors = compression.statistics.whitening["up.weight"].factors
     kept = resumed.statistics.whitening["up.weight"].factors
     assert all(torch.equal(factors[k], kept[k]) for k in factors), "the shared state is kept"

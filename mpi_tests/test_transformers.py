@@ -104,7 +104,7 @@ def test_gift_made_before_or_after_torch_compile_trains_as_eager(order):
     owners = [len(c.statistics.local_state_dict()) for c in (eager_compression, compression)]
     assert owners[1] == owners[0] > 0, owners
     assert all(plan == "whiten" for n, plan in compression.plan.choice.items()
-               if n in compression.bucket_of and compression.params[n].dim() == 2)
+               if n in compression.reducer.bucket_of and compression.params[n].dim() == 2)
     # Compiled kernels round differently, which moves a few NVFP4 codes by a step: the runs
     # agree to a small part of the distance the parameters travelled
     start = build("llama-tied", False)

@@ -69,7 +69,7 @@ def test_error_feedback_is_carried_across_whitening_refreshes(node_size):
         opt.synchronize()
         total += layer.weight.grad
         errors.append(float((total / k - truth).norm() / truth.norm()))
-        r1 = compression.feedback.stage1["weight"].clone()
+        r1 = compression.reducer.feedback.stage1["weight"].clone()
         r1[lo:hi] = 0
         outside.append(float(r1.norm()))
     assert_identical_on_all_ranks([total], "the sum of the averaged gradients")
@@ -88,8 +88,8 @@ def test_a_flat_checkpoint_resumes_two_hop_and_two_hop_resumes_bit_identical(nod
     model.load_state_dict(saved["model"])
     compression.load_state_dict(saved["compressor"])
     losses = run(model, opt, steps=14, start=8)
-    assert compression.feedback.stage2 and all(torch.isfinite(r).all()
-                                                for r in compression.feedback.tensors())
+    assert compression.reducer.feedback.stage2 and all(torch.isfinite(r).all()
+                                                for r in compression.reducer.feedback.tensors())
     assert_identical_on_all_ranks(list(model.parameters()), "two-hop parameters after a flat state")
     assert losses[-1] < losses[0] * 1.1, losses
 
@@ -155,7 +155,7 @@ def test_two_hop_with_a_process_set_is_refused_and_auto_goes_flat():
                           verbose=False)
             compression = gift.GIFT(TinyLM(), node_size=2, process_set=process_set,
                                     verbose=False)
-            assert compression.topology.describe() == "flat"
+            assert compression.reducer.topology.describe() == "flat"
             model = TinyLM()    # and with the set taken from the optimizer at the first step
             compression = gift.GIFT(model, node_size=2, verbose=False)
             opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -164,7 +164,7 @@ def test_two_hop_with_a_process_set_is_refused_and_auto_goes_flat():
             opt.zero_grad()
             model(torch.zeros(2, 4, dtype=torch.long)).sum().backward()
             opt.step()
-            assert compression.topology.describe() == "flat"
+            assert compression.reducer.topology.describe() == "flat"
     finally:
         hvd.remove_process_set(process_set)
 

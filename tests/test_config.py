@@ -1,7 +1,11 @@
 """GiftConfig: every option of every frontend in one frozen record, checked once."""
 import dataclasses
 import inspect
+import os
 import pathlib
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -87,16 +91,64 @@ def test_help_lists_every_option_with_the_frontends_default(entry):
     assert parameters["residual_dtype"].default == expected
 
 
-def test_every_option_has_a_comment_and_a_row_in_the_readme():
+def test_every_option_has_a_comment_and_the_readme_table_is_made_from_them():
     """One list of options: each GiftConfig field is commented where it is declared, and the
-    README's table of options names it."""
+    README's table of options is the one scripts/options_table.py makes from those comments."""
     root = pathlib.Path(__file__).resolve().parent.parent
     source = (root / "horovod_gift" / "config.py").read_text().splitlines()
-    readme = (root / "README.md").read_text()
-    table = readme[readme.index("## Options"):readme.index("## In production")]
-    rows = [line for line in table.splitlines() if line.startswith("| `")]
     for field in dataclasses.fields(GiftConfig):
         line = next(i for i, text in enumerate(source)
                     if text.startswith(f"    {field.name}: "))
         assert source[line - 1].strip().startswith("#"), f"{field.name} has no comment"
-        assert any(f"`{field.name}`" in row.split(" | ")[0] for row in rows), field.name
+    result = subprocess.run([sys.executable, str(root / "scripts" / "options_table.py"),
+                             "--check"], capture_output=True, text=True, cwd=root)
+    assert result.returncode == 0, result.stderr
+
+
+DUMMY = """    # a dummy option, added by the test: the one edit an option needs
+    dummy_option: int = field(default=7, metadata=NUMERIC)
+"""
+DEMO = """
+import inspect, sys
+sys.path.insert(0, {scripts!r})
+from horovod_gift import GiftConfig
+from horovod_gift.core.state_base import GiftStateBase
+from horovod_gift.ddp import GiftState
+from horovod_gift.fsdp import attach
+import options_table
+for entry in (GiftState.__init__, attach):      # help() lists it, with its default
+    assert inspect.signature(entry).parameters["dummy_option"].default == 7, entry
+GiftConfig(dummy_option=3)                      # the frontends accept it
+class State:
+    config = GiftConfig(dummy_option=3)
+# the ranks' check and the checkpoints' compare it
+assert GiftStateBase.agreed(State())["dummy_option"] == 3
+assert "| `dummy_option` | `7` | `7` | `7` | a dummy option" in options_table.table()
+print("ok")
+"""
+
+
+def test_adding_an_option_touches_config_py_alone(tmp_path):
+    """Issue 56: a copy of the package with one field added to GiftConfig (its comment and its
+    NUMERIC mark) and nothing else changed: every frontend's signature lists it, the ranks'
+    check and the checkpoints compare it, and the README's table has its row."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    copy = tmp_path / "horovod_gift"
+    shutil.copytree(root / "horovod_gift", copy,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    config = copy / "config.py"
+    text = config.read_text()
+    anchor = "    # log what GIFT does at its first step\n"
+    assert anchor in text
+    config.write_text(text.replace(anchor, DUMMY + anchor))
+    changed = [p for p in copy.rglob("*.py")
+               if p.read_bytes() != (root / "horovod_gift" / p.relative_to(copy)).read_bytes()]
+    assert changed == [config]
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    # the script reads the config.py of the package beside it
+    shutil.copy(root / "scripts" / "options_table.py", scripts)
+    result = subprocess.run([sys.executable, "-c", DEMO.format(scripts=str(scripts))],
+                            capture_output=True, text=True, cwd=tmp_path,
+                            env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert result.stdout.strip() == "ok", result.stderr[-3000:]

@@ -143,38 +143,112 @@ DEATHS = {"SIGKILL": "os.kill(os.getpid(), signal.SIGKILL)",
           "exit 1": "os._exit(1)"}
 
 
-@pytest.mark.parametrize("engine, death", [("ddp", "SIGKILL"), ("ddp", "SIGTERM"),
-                                           ("ddp", "exit 1"), ("fsdp", "SIGKILL")])
-def test_a_rank_killed_mid_step_under_torchrun_max_restarts_resumes_bit_for_bit(tmp_path,
-                                                                                engine, death):
-    """DDP or FSDP2 + GIFT INT3 on 2 ranks, a checkpoint every 4 steps; rank 1 dies in step 9 of
-    the first attempt (killed, terminated, or exiting 1). torchrun stops the survivor and starts
-    both again; the example's process group connects (engines.init_process_group), --resume auto
-    loads step 8, and step 12 ends with the bits of an uninterrupted run (parameters, the
-    optimizer's state and GIFT's residuals; FSDP: every rank's shards)."""
+@pytest.mark.parametrize("engine, ranks, death", [
+    ("ddp", 2, "SIGKILL"), ("ddp", 2, "SIGTERM"), ("ddp", 2, "exit 1"), ("fsdp", 2, "SIGKILL"),
+    ("hsdp", 4, "SIGKILL")])
+def test_a_rank_killed_mid_step_under_torchrun_max_restarts_resumes_bit_for_bit(
+        tmp_path, engine, ranks, death):
+    """DDP or FSDP2 + GIFT INT3 on 2 ranks, HSDP on 2 nodes of 2, a checkpoint every 4 steps;
+    rank 1 dies in step 9 of the first attempt (killed, terminated, or exiting 1). torchrun stops
+    the survivors and starts every rank again; the example's process group connects
+    (engines.init_process_group), --resume auto loads step 8, and step 12 ends with the bits of
+    an uninterrupted run (parameters, the optimizer's state and GIFT's residuals; FSDP and HSDP:
+    every rank's shards)."""
     script = tmp_path / "dies.py"
     marker, resumed_steps = tmp_path / "killed", tmp_path / "resumed-steps"
     script.write_text(DIES_IN_STEP.format(examples=str(ROOT / "examples"), step=9,
                                           die=DEATHS[death], marker=str(marker),
                                           resumed=str(resumed_steps)))
-    common = [*TRAIN, "--engine", engine, "--compression", "gift-int3", "--steps", "12"]
+    common = [*TRAIN, "--engine", engine, "--compression", "gift-int3", "--steps", "12",
+              *(["--node-size", "2"] if engine == "hsdp" else [])]
     straight, restarted = tmp_path / "straight.pt", tmp_path / "restarted.pt"
-    result = torchrun(2, *common, "--checkpoint", str(straight))
+    result = torchrun(ranks, *common, "--checkpoint", str(straight))
     assert result.returncode == 0, result.stderr[-3000:]
-    result = torchrun(2, str(script), *common[1:], "--save-every", "4", "--checkpoint",
+    result = torchrun(ranks, str(script), *common[1:], "--save-every", "4", "--checkpoint",
                       str(restarted), "--resume", "auto", launcher=["--max-restarts", "1"])
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert marker.exists(), "rank 1 was not killed: the test tested nothing"
     # the restarted attempt resumed at step 8 (from the checkpoint), not from the start
     assert resumed_steps.read_text() == "x" * 4, resumed_steps.read_text()
-    if engine == "fsdp":    # every rank saved its own shards, optimizer and GIFT state
-        for rank in range(2):
+    if engine != "ddp":     # every rank saved its own shards, optimizer and GIFT state
+        for rank in range(ranks):
             mine = torch.load(f"{straight}.gift-rank{rank}", weights_only=False)
             theirs = torch.load(f"{restarted}.gift-rank{rank}", weights_only=False)
             assert same_bits(mine, theirs), f"rank {rank}'s state differs"
         return
     a = torch.load(straight, weights_only=False)
     b = torch.load(restarted, weights_only=False)
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), f"{name} differs"
+    for key, value in a["optimizer"]["state"].items():
+        assert all(torch.equal(v, b["optimizer"]["state"][key][k]) for k, v in value.items()
+                   if torch.is_tensor(v)), key
+    for rank in range(2):
+        mine = torch.load(f"{straight}.gift-rank{rank}", weights_only=False)
+        theirs = torch.load(f"{restarted}.gift-rank{rank}", weights_only=False)
+        assert same_bits(mine, theirs), f"rank {rank}'s GIFT state differs"
+
+
+HOROVOD_DIES_AFTER_SAVES = """
+import os, signal, sys
+sys.path.insert(0, {examples!r})
+import horovod.torch as hvd
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
+import train_llama
+saves, saving, depth = [], train_llama.save_checkpoint, [0]
+
+def save_checkpoint(*args):
+    saving(*args)
+    saves.append(1)
+
+def die(optimizer, args, kwargs):
+    # in the step after the checkpoint: Horovod's optimizer runs its base class's step inside
+    # its own (depth 2), after synchronize(), so every peer has saved and done this step's
+    # collectives too
+    depth[0] += 1
+    if depth[0] == 2 and len(saves) == {saves} and hvd.rank() == 1:
+        open({marker!r}, "w").close()
+        {die}
+
+def leave(optimizer, args, kwargs):
+    depth[0] -= 1
+
+train_llama.save_checkpoint = save_checkpoint
+register_optimizer_step_pre_hook(die)
+register_optimizer_step_post_hook(leave)
+train_llama.main()
+"""
+
+
+@pytest.mark.parametrize("death", ["SIGKILL"])
+def test_a_rank_killed_mid_step_under_mpirun_ends_the_job_and_a_relaunch_resumes_bit_for_bit(
+        tmp_path, death):
+    """Horovod + GIFT INT3 on 2 ranks under mpirun, a checkpoint every 4 steps; rank 1 is killed in
+    step 9 (the step after the second checkpoint), after its gradient collectives. mpirun has
+    no restart of its own: the job must end non-zero within a minute (mpirun stops the
+    survivor), leaving step 8's checkpoint; the same command launched again with --resume auto
+    ends step 12 with the bits of an uninterrupted run (parameters, the optimizer's state and
+    every rank's GIFT state)."""
+    script, marker = tmp_path / "dies.py", tmp_path / "killed"
+    script.write_text(HOROVOD_DIES_AFTER_SAVES.format(examples=str(ROOT / "examples"), saves=2,
+                                                      die=DEATHS[death], marker=str(marker)))
+    common = [*TRAIN[1:], "--compression", "gift-int3", "--steps", "12"]
+    straight, restarted = tmp_path / "straight.pt", tmp_path / "restarted.pt"
+    result = mpirun(2, TRAIN[0], *common, "--checkpoint", str(straight))
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumable = [*common, "--save-every", "4", "--checkpoint", str(restarted), "--resume", "auto"]
+    t0 = time.monotonic()
+    result = mpirun(2, str(script), *resumable, timeout=120)
+    assert marker.exists(), "rank 1 was not killed: the test tested nothing"
+    assert result.returncode != 0, "the job ended well with a rank dead"
+    assert time.monotonic() - t0 < 90, "the survivor outlived its peer by more than a minute"
+    assert torch.load(restarted, weights_only=False)["step"] == 8   # the last checkpoint
+    result = mpirun(2, TRAIN[0], *resumable)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    a = torch.load(straight, weights_only=False)
+    b = torch.load(restarted, weights_only=False)
+    assert b["step"] == 12
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), f"{name} differs"
     for key, value in a["optimizer"]["state"].items():
@@ -285,7 +359,7 @@ def test_two_hop_without_dynamic_process_sets_is_refused_on_every_rank(tmp_path)
         "    raised = str(error)\n"
         "compression = step('auto')\n"
         "with open(f'{sys.argv[1]}/rank{hvd.rank()}.json', 'w') as f:\n"     # one file a rank:
-        "    json.dump([raised, compression.topology.describe()], f)\n"    # no mixed lines
+        "    json.dump([raised, compression.reducer.topology.describe()], f)\n"    # no mixed lines
     )
     result = mpirun(4, str(script), str(tmp_path), timeout=180)
     assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-2000:]}"

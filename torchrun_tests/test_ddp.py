@@ -97,7 +97,7 @@ def test_parameters_under_min_elements_are_averaged_in_fp32():
     loss_of(model, 0, rank).backward()
     loss_of(reference, 0, rank).backward()
     small = [n for n, p in model.module.named_parameters() if p.numel() < 1024]
-    assert small and not any(n in state.bucket_of for n in small)
+    assert small and not any(n in state.reducer.bucket_of for n in small)
     mine, theirs = dict(model.module.named_parameters()), dict(reference.module.named_parameters())
     for name in small:
         torch.testing.assert_close(mine[name].grad, theirs[name].grad, rtol=1e-6, atol=1e-7)
@@ -223,7 +223,7 @@ def test_reset_rank_state_restarts_the_residuals_and_training_goes_on():
     model, opt, state = make(**OPTIONS)
     train(model, opt, 2)
     state.reset_rank_state()
-    assert not state.feedback.stage1
+    assert not state.reducer.feedback.stage1
     train(model, opt, 2, first=2)
     assert_identical_on_all_ranks(list(model.parameters()), "parameters")
 
@@ -241,7 +241,7 @@ def test_two_hops_over_nodes_of_two_ranks():
     if dist.get_world_size() < 4:
         pytest.skip("two hops need 2 nodes of 2 ranks")
     model, opt, state = make(**dict(OPTIONS, node_size=2, topology="two-hop"))
-    assert state.topology.description == ("two-hop", 2)
+    assert state.reducer.topology.description == ("two-hop", 2)
     losses = train(model, opt, 6)
     reference, ref_opt, _ = make()
     ref_losses = train(reference, ref_opt, 6, check=False)

@@ -96,11 +96,25 @@ def test_options_fsdp_cannot_honour_are_refused_by_name():
         make(**dict(OPTIONS, nonfinite="raise"))
 
 
-def test_a_configuration_that_differs_across_ranks_raises_on_every_rank():
+def test_a_configuration_that_differs_across_ranks_raises_on_every_rank_in_attach():
+    """attach compares the ranks' options and models before FSDP's first all-gather."""
     rank = dist.get_rank()
-    model, _, _ = make(**dict(OPTIONS, format="nvfp4" if rank == 0 else "fp8_e4m3"))
     with pytest.raises(Exception, match="configuration differs across ranks in format"):
-        loss_of(model, 0, rank).backward()
+        make(**dict(OPTIONS, format="nvfp4" if rank == 0 else "fp8_e4m3"))
+    assert gathered(True) == [True] * dist.get_world_size()
+
+
+def test_models_whose_shapes_differ_across_ranks_raise_on_every_rank_in_attach():
+    """Found by benchmarks/robustness.py: before attach compared them, FSDP's forward
+    all-gathered shards of different sizes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64 if dist.get_rank() == 0 else 48),
+                                torch.nn.Linear(64 if dist.get_rank() == 0 else 48, 8))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    with pytest.raises(Exception, match="differs across ranks in model"):
+        attach(model, **OPTIONS)
     assert gathered(True) == [True] * dist.get_world_size()
 
 

@@ -10,18 +10,20 @@ whitening statistics and factors, ...), the same on every rank, and a per-rank p
 feedback residuals, statistics histories) that only the rank that saved it, in a job of the same
 size and topology, can use. The configuration is also what ranks compare at their first step and
 the first after a load, so a job whose ranks differ raises on every rank instead of hanging or
-training on wrong gradients. A kind says how its residuals follow a refresh (_refresh), what its
-per-rank state is (_rank_state, _restore_rank_state, _forget_rank_state, and _unusable where it
-checks more than the rank and the number of ranks) and what it adds to the configuration. The
-rule for a per-rank state that cannot be used, and its one warning, are apply_loaded's.
+training on wrong gradients. A kind says how its residuals follow a refresh (_refresh), what it
+keeps per rank beside the statistics' histories (its PerRankState, `self.own`) and what it adds to
+the configuration. The rule for a per-rank state that cannot be used, and its one warning, are
+apply_loaded's.
 """
 from __future__ import annotations
 
 import hashlib
+from abc import ABC, abstractmethod
 
 from torch.profiler import record_function
 
 from ..codec.tensor_codec import Codec
+from ..config import numeric_options
 from ..geometry.statistics import WhiteningStatistics
 from ..telemetry import Telemetry, logger
 
@@ -46,10 +48,30 @@ def check_ranks_agree(comm, config):
                      + per_rank + "".join(hint.get(k, "") for k in diff))
 
 
-# the options that change the numbers: ranks must agree on them and a checkpoint must match them
-NUMERIC_OPTIONS = ("format", "block_size", "rounding", "seed", "transform", "error_feedback",
-                   "residual_dtype", "min_elements", "whitening_rank", "damping",
-                   "refresh_every", "stat_window")
+class PerRankState(ABC):
+    """What a kind of state keeps for one rank of one job beside the statistics' histories (its
+    error-feedback residuals and what they depend on): saved in that rank's checkpoint, usable
+    only by the same rank of a job of the same size."""
+
+    @abstractmethod
+    def state(self) -> dict:
+        """Host copies, for the rank's checkpoint (keys other than rank, ranks, statistics)."""
+
+    @abstractmethod
+    def restore(self, saved: dict) -> None:
+        """Take a state() saved by this rank in a job of this size (unusable accepted it)."""
+
+    @abstractmethod
+    def forget(self) -> None:
+        """Restart at zero."""
+
+    @abstractmethod
+    def tensors(self) -> list:
+        """The residuals held now (their bytes are counted in stats())."""
+
+    def unusable(self, saved: dict):
+        """Why this rank cannot take saved beyond the rank and the number of ranks, or None."""
+        return None
 
 
 class GiftStateBase:
@@ -69,6 +91,7 @@ class GiftStateBase:
                                               config.damping, config.refresh_every,
                                               config.stat_window, comm)
         self.telemetry = Telemetry(config.log_every)
+        self.own = None           # the kind's PerRankState, made with the kind
         self.step = 0
         self._verify = True       # check the ranks agree at the next step
         self._pending_rank_state = NOTHING_PENDING   # loaded before the ranks were known
@@ -114,18 +137,6 @@ class GiftStateBase:
         """New whitening factors (self.statistics.refresh()), and the residuals in them."""
         raise NotImplementedError
 
-    def _rank_state(self):
-        """This rank's own state: residuals and statistics histories, with "rank" and "ranks"
-        (the number of ranks) and what else _unusable compares."""
-        raise NotImplementedError
-
-    def _restore_rank_state(self, saved):
-        """Take a _rank_state() that _unusable accepted."""
-        raise NotImplementedError
-
-    def _residual_tensors(self):
-        raise NotImplementedError
-
     def _transform_counts(self):
         """Tensors a transform takes, per transform (for the logs)."""
         return {}
@@ -139,7 +150,8 @@ class GiftStateBase:
         saved, self._pending_rank_state = self._pending_rank_state, NOTHING_PENDING
         why = self._unusable(saved)
         if why is None:
-            self._restore_rank_state(saved)
+            self.statistics.load_local_state_dict(saved["statistics"])
+            self.own.restore(saved)
             return
         self._forget_rank_state()
         # every rank is in the same case unless only the rank differs: one warning then
@@ -149,18 +161,20 @@ class GiftStateBase:
                            "histories restart at zero (the rest is kept)", self.label, why)
 
     def _unusable(self, saved):
-        """Why this rank cannot take saved (a _rank_state() or None), or None if it can."""
+        """Why this rank cannot take saved (a state_dict()["rank_state"] or None), or None if it
+        can."""
         n, me = self.comm.size, self.comm.rank
         if saved is None:
             return "it has no per-rank state"
         if (saved["ranks"], saved["rank"]) != (n, me):
             return (f"it was saved by rank {saved['rank']} of {saved['ranks']}, "
                     f"this is rank {me} of {n}")
-        return None
+        return self.own.unusable(saved)
 
     def _forget_rank_state(self):
-        """What belongs to this rank in this job restarts (a kind adds its residuals); the
-        ranks check they agree at the next step."""
+        """What belongs to this rank in this job restarts; the ranks check they agree at the
+        next step."""
+        self.own.forget()
         self.statistics.load_local_state_dict({})
         self._verify = True
         self.telemetry.restart(self.step)
@@ -174,13 +188,13 @@ class GiftStateBase:
         residual_bytes: what this rank's error-feedback residuals hold."""
         return dict(self.telemetry.stats(self.step, self._transform_counts()),
                     residual_bytes=sum(r.numel() * r.element_size()
-                                       for r in self._residual_tensors()))
+                                       for r in self.own.tensors()))
 
     # ---------------------------------------------------------------- checkpoints
     def agreed(self):
         """What ranks must agree on and a checkpoint must match: the options that change the
-        numbers (NUMERIC_OPTIONS, read from the config), and what each kind adds."""
-        config = {name: getattr(self.config, name) for name in NUMERIC_OPTIONS}
+        numbers (config.numeric_options), and what each kind adds."""
+        config = {name: getattr(self.config, name) for name in numeric_options()}
         return dict(config, residual_dtype=str(config["residual_dtype"]))
 
     def shared_state(self):
@@ -197,7 +211,9 @@ class GiftStateBase:
         if rank_state and self._pending_rank_state is not NOTHING_PENDING:
             state["rank_state"] = self._pending_rank_state     # loaded, not applied yet
         elif rank_state and self.comm is not None:
-            state["rank_state"] = self._rank_state()
+            state["rank_state"] = dict(self.own.state(), rank=self.comm.rank,
+                                       ranks=self.comm.size,
+                                       statistics=self.statistics.local_state_dict())
         return state
 
     def load_state_dict(self, state: dict) -> None:

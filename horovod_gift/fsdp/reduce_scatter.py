@@ -108,7 +108,8 @@ def attach(model: torch.nn.Module, config: Optional[GiftConfig] = None,
     """Make an FsdpGiftState for model (config: a GiftConfig, options: fields of it to
     replace; GiftConfig.for_fsdp's defaults) and set a GiftReduceScatter on every fully_shard
     module in it; returns the state (for state_dict() and stats()). Collective: call it on every
-    rank, after fully_shard and before the first backward."""
+    rank, after fully_shard and before the first forward; every rank raises if their options or
+    models differ."""
     state = FsdpGiftState(model, config, **options)
     # a fully_shard module without parameters of its own has no reduce-scatter
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)
@@ -117,6 +118,13 @@ def attach(model: torch.nn.Module, config: Optional[GiftConfig] = None,
         raise ValueError("attach: the model has no fully_shard module; call fully_shard on its "
                          "layers and on the model first")
     state.use(_topology([param_group(m) for m in modules], state, _device(model)))
+    # the ranks' configurations and models compared now: FSDP's first collective, the forward's
+    # all-gather, cannot tell ranks whose shapes differ (nor the first step's check, after it)
+    try:
+        state.settle_ranks()
+    except ValueError:
+        state.statistics.remove_hooks()     # as if attach had never run
+        raise
     for module in modules:
         module.set_custom_reduce_scatter(GiftReduceScatter(state, module))
     use_quantized_all_gather(modules, state.config.param_format, state.config.min_elements,

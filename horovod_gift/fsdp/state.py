@@ -30,7 +30,7 @@ import torch
 
 from ..codec.tensor_codec import TensorPieces
 from ..config import GiftConfig
-from ..core.state_base import GiftStateBase, fingerprint
+from ..core.state_base import GiftStateBase, PerRankState, fingerprint
 from ..geometry.linear_layers import linear_readers
 from ..reduce.collective import (
     BucketLayout,
@@ -82,6 +82,44 @@ class GroupLayout:
         return rows[:, start:start + (width or self.shards[i])]
 
 
+class RowResiduals(PerRankState):
+    """FSDP's error-feedback residuals, this rank's own: one r1 a parameter group, over the rows
+    this rank quantizes (by the group's layout key), in dtype; usable only under the topology
+    they were made in (it lays the rows out)."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+        self.by_group = {}      # layout key -> r1
+        self.topology = None    # the state's Topology, set with it (FsdpGiftState.use)
+        self.device = None      # the gradients' (from the first reduce-scatter)
+
+    def of(self, layout, device):
+        """The r1 of layout's group, made (zero, on device) the first time."""
+        if layout.key not in self.by_group:
+            self.by_group[layout.key] = torch.zeros(layout.ranks * layout.shard,
+                                                    dtype=self.dtype, device=device)
+        return self.by_group[layout.key]
+
+    def state(self):
+        return {"topology": self.topology.description,
+                "residuals": {k: r.to("cpu", copy=True) for k, r in self.by_group.items()}}
+
+    def unusable(self, saved):
+        topology = saved.get("topology", ("flat",))
+        if topology != self.topology.description:
+            return f"it was saved with topology {topology}, here {self.topology.description}"
+        return None
+
+    def restore(self, saved):
+        self.by_group = {k: r.to(self.device, self.dtype) for k, r in saved["residuals"].items()}
+
+    def forget(self):
+        self.by_group = {}
+
+    def tensors(self):
+        return list(self.by_group.values())
+
+
 class FsdpGiftState(GiftStateBase):
     """GIFT's state for one model under FSDP2: a GiftConfig (GiftConfig.for_fsdp's defaults;
     GiftConfig.refuse_for_fsdp says what FSDP cannot take) or its fields as keywords.
@@ -108,11 +146,11 @@ class FsdpGiftState(GiftStateBase):
         super().__init__(model, config, whitenable, comm=None)
         self.name_of = {id(p): n for n, p in self.params.items()}
         self.modules = []       # the fully_shard modules whose reduce-scatter is GIFT's
-        self.layouts, self.residuals = {}, {}   # module id -> GroupLayout; layout key -> r1
+        self.layouts = {}       # module id -> GroupLayout
+        self.own = RowResiduals(config.residual_dtype)
         self.unwhitened = set()  # whitenable weights FSDP shards on another dim than rows
         self.topology = None     # set by attach (reduce/topology.py)
         self._task = None        # the autograd graph task of the step under way
-        self.device = None       # the gradients' (from the first reduce-scatter)
         self._bounds = []        # this step's bounds on the encodes' magnitudes (scrub)
         self._partial = set()    # groups reduced in fp32 (a parameter had no gradient), warned
 
@@ -120,7 +158,7 @@ class FsdpGiftState(GiftStateBase):
     def use(self, topology):
         """Reduce as topology lays it: its comm holds every rank; the statistics take the
         communicator it gives them (collective)."""
-        self.topology = topology
+        self.topology = self.own.topology = topology
         self.set_comm(topology.comm)
         self.statistics.comm = topology.statistics_comm()
 
@@ -128,8 +166,8 @@ class FsdpGiftState(GiftStateBase):
         """At each reduce-scatter: the step's start at a backward's first (_begin_step); the
         GroupLayout of module's parameter group, or None when this buffer is not all of it
         (a trained parameter without a gradient this step: FSDP leaves it out)."""
-        if self.device is None:
-            self.device = buffer.device
+        if self.own.device is None:
+            self.own.device = buffer.device
         if not self.layouts:    # every group's, before a refresh re-expresses their residuals
             for known in self.modules:
                 self.layouts[id(known)] = self._layout(known, group.size())
@@ -173,7 +211,7 @@ class FsdpGiftState(GiftStateBase):
         to zero (one verdict for the whole step: one host sync), and the step counted."""
         bounds, self._bounds = self._bounds, []
         if bounds:
-            scrub(list(self.residuals.values()), bounds)
+            scrub(self.own.tensors(), bounds)
         self._task = None
         self.count_step()
 
@@ -279,19 +317,14 @@ class FsdpGiftState(GiftStateBase):
         return row
 
     def residual(self, layout, device):
-        if not self.config.error_feedback:
-            return None
-        if layout.key not in self.residuals:
-            self.residuals[layout.key] = torch.zeros(
-                layout.ranks * layout.shard, dtype=self.config.residual_dtype, device=device)
-        return self.residuals[layout.key]
+        return self.own.of(layout, device) if self.config.error_feedback else None
 
     def _convert_residuals(self, name, old_factors):
         """A weight's residual pieces from its old whitened coordinates to the new ones."""
         whitening = self.statistics.whitening[name]
         for layout in self.layouts.values():
-            if name in layout.names and layout.key in self.residuals:
-                rows = self.residuals[layout.key].view(layout.ranks, layout.shard)
+            if name in layout.names and layout.key in self.own.by_group:
+                rows = self.own.by_group[layout.key].view(layout.ranks, layout.shard)
                 part = layout.columns(rows, layout.names.index(name))
                 # a copy: an fp32 residual whose columns are contiguous would be read in place,
                 # and copy_ refuses a source that overlaps its destination
@@ -307,31 +340,6 @@ class FsdpGiftState(GiftStateBase):
         shapes = [(n, tuple(p.shape)) for n, p in self.params.items()]
         return dict(super().agreed(), param_format=self.config.param_format,
                     model=fingerprint(shapes))
-
-    def _rank_state(self):
-        return {"rank": self.comm.rank, "ranks": self.comm.size,
-                "topology": self.topology.description,
-                "residuals": {k: r.to("cpu", copy=True) for k, r in self.residuals.items()},
-                "statistics": self.statistics.local_state_dict()}
-
-    def _unusable(self, saved):
-        why = super()._unusable(saved)
-        if why is None and saved.get("topology", ("flat",)) != self.topology.description:
-            why = (f"it was saved with topology {saved.get('topology', ('flat',))}, here "
-                   f"{self.topology.description}")
-        return why
-
-    def _restore_rank_state(self, saved):
-        self.residuals = {k: r.to(self.device, self.config.residual_dtype)
-                          for k, r in saved["residuals"].items()}
-        self.statistics.load_local_state_dict(saved["statistics"])
-
-    def _forget_rank_state(self):
-        super()._forget_rank_state()
-        self.residuals = {}
-
-    def _residual_tensors(self):
-        return list(self.residuals.values())
 
     def stats(self) -> dict:
         """GIFT's counters (GiftStateBase.stats) and the topology."""

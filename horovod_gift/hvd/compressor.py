@@ -31,7 +31,13 @@ import torch
 from horovod.torch.compression import Compressor
 
 from ..config import GiftConfig, with_options
-from ..core.gift_core import GiftCore, StepState, sparse_gradient_parameters
+from ..core.gift_core import (
+    GiftCore,
+    StepState,
+    is_nonfinite,
+    nonfinite_error,
+    sparse_gradient_parameters,
+)
 from ..hvd import internals as internals
 from .comm import HorovodCommunicator, horovod_topology
 
@@ -103,15 +109,15 @@ class GIFT(GiftCore, Compressor):
         collective of GIFT's, so none waits for the others."""
         if optimizer is None or (self._optimizer is not None and self._optimizer() is optimizer):
             return
-        serving = (self.process_set, self.average) if self._optimizer is not None else None
+        serving = (self.process_set, self.reducer.average) if self._optimizer is not None else None
         internals.check_optimizer(optimizer, self.requested_process_set, serving)
         self.process_set = optimizer.process_set
         self.set_comm(HorovodCommunicator(self.process_set))
-        if (self.topology is None or self.topology.comm.process_set.process_set_id
+        if (self.reducer.topology is None or self.reducer.topology.comm.process_set.process_set_id
                 != self.process_set.process_set_id):
-            self.topology = horovod_topology(self.config.topology, self.config.node_size,
+            self.reducer.topology = horovod_topology(self.config.topology, self.config.node_size,
                                              self.process_set)
-        self.average = optimizer.op == hvd.Average
+        self.reducer.average = optimizer.op == hvd.Average
         self._optimizer = weakref.ref(optimizer)
 
     def _compress(self, tensor, hooked):
@@ -121,16 +127,16 @@ class GIFT(GiftCore, Compressor):
         self.current.outstanding += 1
         self.current.sent.add(name)
         self.telemetry.add(elements=tensor.numel())
-        if self.current.plain or name not in self.bucket_of:
+        if self.current.plain or name not in self.reducer.bucket_of:
             self.telemetry.add(uncompressed_elements=tensor.numel(),
                                payload_bytes=4 * tensor.numel())
             plain = tensor if tensor.dtype in HOROVOD_DTYPES else tensor.to(torch.float32)
             self.current.pipeline.progress()
             return plain, ("plain", name, tensor.dtype)
         self.current.shapes[name] = (tensor.shape, tensor.dtype)
-        complete = self.take(name, tensor)
+        complete = self.reducer.take(self.current, name, tensor)
         if complete is not None:
-            self.start(complete)
+            self.reducer.start(self.current, complete, self.step)
         self.current.pipeline.progress()
         # on the gradient's device: Horovod's grouped allreduce (groups=) wants one device a group
         return torch.zeros(1, device=tensor.device), ("gift", name, tensor.dtype)
@@ -142,11 +148,11 @@ class GIFT(GiftCore, Compressor):
         else:
             self._second_stage()
             shape, dtype = self.current.shapes[name]
-            u = self.current.pipeline.finish(self.bucket_of[name]).pop(name)
-            result = self.result(name, u, shape, dtype)
-        if self.is_nonfinite(result):    # the same bytes on every rank: every rank raises
+            u = self.current.pipeline.finish(self.reducer.bucket_of[name]).pop(name)
+            result = self.reducer.result(name, u, shape, dtype)
+        if is_nonfinite(self.config, result):    # the same bytes on every rank: every rank raises
             self.abandon_step()
-            raise self.nonfinite_error(name)
+            raise nonfinite_error(name)
         self.current.outstanding -= 1
         if self.current.outstanding == 0:
             self._end_step()
@@ -171,16 +177,17 @@ class GIFT(GiftCore, Compressor):
         pipeline = self.current.pipeline
         if pipeline.exchanged:
             return
-        self.start_the_rest()     # buckets with members Horovod never sent
+        # buckets with members Horovod never sent
+        self.reducer.start_the_rest(self.current, self.step)
         pipeline.exchange_all()
         self.plan.start_vote()
 
     def _end_step(self):
-        reduced = self.unhooked.average(self.current.sent, self.average, self.process_set)
-        nonfinite = next((name for name, g in reduced if self.is_nonfinite(g)), None)
+        reduced = self.unhooked.average(self.current.sent, self.reducer.average, self.process_set)
+        nonfinite = next((name for name, g in reduced if is_nonfinite(self.config, g)), None)
         self.end_step(voted=not self.current.joined)
         if nonfinite is not None:   # the step ended on every rank alike: every rank raises
-            raise self.nonfinite_error(nonfinite)
+            raise nonfinite_error(nonfinite)
 
     def reset_rank_state(self) -> None:
         """GiftCore's; the Horovod optimizer is bound again at the next step."""

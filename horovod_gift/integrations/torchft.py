@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torchft.local_sgd import DiLoCo
 
 from ..codec.tensor_codec import Codec
-from ..config import GiftConfig
+from ..config import GiftConfig, numeric_options
 from ..core.pseudo_gradients import PseudoGradientState
 from ..reduce.topology import Flat, TwoHop
 from ..torch_comm import ProcessGroupCommunicator, TorchCommunicator
@@ -57,8 +57,8 @@ REPLACED = {"should_quantize": "GIFT quantizes (format=)",
             "use_bucketization": "GIFT buckets the pseudo-gradients (bucket_elements=)",
             "bucket_cap_mb": "GIFT buckets the pseudo-gradients (bucket_elements=)"}
 # the options a healing replica must share with the replica it heals from
-SHARED_OPTIONS = ("format", "transform", "error_feedback", "block_size", "rounding", "seed",
-                  "bucket_elements", "min_elements", "hadamard_block", "topology", "nonfinite")
+SHARED_OPTIONS = (*numeric_options(), "bucket_elements", "hadamard_block", "topology",
+                  "nonfinite")
 
 
 class GiftDiLoCo(DiLoCo):

@@ -52,17 +52,17 @@ class LocalFrontend:
         if poison is not None:
             grads[poison].view(-1)[0] = float("inf")
         assert core.begin_step()
-        compressed = [n for bucket in core.buckets for n in bucket]
+        compressed = [n for bucket in core.reducer.buckets for n in bucket]
         for name in compressed:
-            complete = core.take(name, grads[name])
+            complete = core.reducer.take(core.current, name, grads[name])
             if complete is not None:
-                core.start(complete)
-        core.start_the_rest()
+                core.reducer.start(core.current, complete, core.step)
+        core.reducer.start_the_rest(core.current, core.step)
         core.current.pipeline.exchange_all()
         core.plan.start_vote()
         for name in compressed:
-            u = core.current.pipeline.finish(core.bucket_of[name]).pop(name)
-            grads[name].copy_(core.result(name, u, grads[name].shape, grads[name].dtype))
+            u = core.current.pipeline.finish(core.reducer.bucket_of[name]).pop(name)
+            grads[name].copy_(core.reducer.result(name, u, grads[name].shape, grads[name].dtype))
         for name in sorted(set(grads) - set(compressed)):
             grads[name].copy_(self.comm.allreduce(grads[name], "sum", f"fp32.{name}")
                               / self.comm.size)
