@@ -101,7 +101,11 @@ def all_cases(engine):
         for dtype in ("float16", "bfloat16", "float64"):
             out.append(("parameter dtypes", f"{codec} {dtype}",
                         lambda kw=kw, d=dtype: train(kw, dtype=d)))
-        out.append(("odd sizes", f"{codec} 0, 1, 15, 17, 2^20+3 elements, non-contiguous",
+        # (FSDP2 fails on a parameter of 0 elements in a group, with or without GIFT: its
+        # reduce-scatter's copy-in, torch.ops.fsdp.chunk_cat, refuses an empty tensor)
+        sizes = "1, 15, 17, 2^20+3 elements" if kind.exact_by_reference else (
+            "0, 1, 15, 17, 2^20+3 elements, non-contiguous")
+        out.append(("odd sizes", f"{codec} {sizes}",
                     lambda kw=kw: train(dict(kw, min_elements=1), odd_sizes=True)))
     mismatches = [
         ("format", "nvfp4", "fp8_e4m3"),
@@ -168,7 +172,8 @@ def train(gift_kwargs, steps=3, poison=None, scale=1.0, skip_mlp_on_rank0=False,
     torch.manual_seed(0)
     model = Llama(LlamaConfig(dim=64, n_layers=1, n_heads=4, hidden_dim=hidden, max_seq_len=32))
     if odd_sizes:
-        model.odd = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(n)) for n in ODD_SIZES)
+        sizes = ODD_SIZES[1:] if ENGINE.exact_by_reference else ODD_SIZES    # (all_cases)
+        model.odd = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(n)) for n in sizes)
     model = model.to(getattr(torch, dtype))
     if unfreeze_at is not None:
         model.blocks[0].mlp.w_down.weight.requires_grad_(False)

@@ -104,6 +104,18 @@ def test_a_configuration_that_differs_across_ranks_raises_on_every_rank_in_attac
     assert gathered(True) == [True] * dist.get_world_size()
 
 
+def test_a_state_loaded_on_one_rank_after_attach_raises_on_every_rank_at_the_first_step():
+    """Found by benchmarks/robustness.py: with attach's check counted as the first step's, the
+    rank that loaded checked again while the other went on into the reduce-scatter (a hang)."""
+    rank = dist.get_rank()
+    model, _, state = make(**OPTIONS)
+    if rank == 0:
+        state.load_state_dict(dict(state.state_dict(), step=5))
+    with pytest.raises(Exception, match="differs across ranks in step"):
+        loss_of(model, 0, rank).backward()
+    assert gathered(True) == [True] * dist.get_world_size()
+
+
 def test_models_whose_shapes_differ_across_ranks_raise_on_every_rank_in_attach():
     """Found by benchmarks/robustness.py: before attach compared them, FSDP's forward
     all-gathered shards of different sizes."""

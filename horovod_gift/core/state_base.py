@@ -100,15 +100,18 @@ class GiftStateBase:
         self.comm = self.statistics.comm = comm
 
     # ---------------------------------------------------------------- a step's shared parts
-    def settle_ranks(self):
+    def settle_ranks(self, before_training=False):
         """At a step's start, on every rank: a loaded per-rank state applied, and the ranks'
-        agreement checked (collective) if due. Returns whether it was checked."""
+        agreement checked (collective) if due. Returns whether it was checked.
+        before_training: a check made before the first step (FSDP's attach), which leaves the
+        first step's due: a state then loaded on some ranks only (which makes it due there)
+        must still meet a check on every rank, not a collective of GIFT's step."""
         self.apply_loaded()
         if not self._verify:
             return False
         check_ranks_agree(self.comm, dict(self.agreed(), step=self.step,
                                           topology=self.topology_description()))
-        self._verify = False
+        self._verify = before_training
         return True
 
     def refresh_statistics(self):

@@ -121,7 +121,7 @@ def attach(model: torch.nn.Module, config: Optional[GiftConfig] = None,
     # the ranks' configurations and models compared now: FSDP's first collective, the forward's
     # all-gather, cannot tell ranks whose shapes differ (nor the first step's check, after it)
     try:
-        state.settle_ranks()
+        state.settle_ranks(before_training=True)
     except ValueError:
         state.statistics.remove_hooks()     # as if attach had never run
         raise
