@@ -12,7 +12,9 @@ nodes, rank (node k, local rank l) and a bucket of flat fp32 tensors u_1..u_m:
      and an allgather over those N ranks gives each the same bytes of all of chunk l.
   3. Inside the node, an allgather of step 2's bytes (each padded to the largest node chunk's),
      and every rank decodes the L x N payloads: the same bytes and scales on every rank of every
-     node, so the results are bit-identical.
+     node, so the results are bit-identical. Each rank's slot ends with a flag: whether its hop
+     across nodes succeeded. A rank whose hop raised still takes part in the node's allgather
+     (its peers wait for it there), and then every rank of the node raises, naming it.
 Bytes across nodes per rank: about 2 (N - 1) / N * (elements / L) * bits / 8: 1/L of the flat
 reduction's. Inside the node: (L - 1) / L of the bucket in fp32 and the step-2 bytes L - 1 times.
 
@@ -29,6 +31,8 @@ import torch
 from ..codec.tensor_codec import TensorPieces
 from .collective import BucketLayout, BucketReduction, mix_seed, timed_wait
 from .pipeline import Reduction
+
+FLAG_BYTES = 16     # a node allgather slot's trailer: its first byte is 1 if the hop succeeded
 
 
 class TwoHopLayout:
@@ -47,7 +51,8 @@ class TwoHopLayout:
         self.splits = torch.tensor(node.owned, dtype=torch.int32, device="cpu")
         self.cross = [BucketLayout.of(tuple(hi - lo for _, lo, hi in chunk), nodes, align, codec)
                       for chunk in node.pieces]
-        self.slot = max(nodes * layout.slot for layout in self.cross)
+        # the last FLAG_BYTES: the flag (the padding keeps each slot as aligned as the largest)
+        self.slot = max(nodes * layout.slot for layout in self.cross) + FLAG_BYTES
         per_tensor = [[] for _ in sizes]
         for local, (chunk, layout) in enumerate(zip(node.pieces, self.cross)):
             for j, (i, lo, _) in enumerate(chunk):
@@ -91,6 +96,7 @@ class TwoHopReduction(Reduction):
                                       codec.align, codec)
         self.device = flats[0].device
         self.stage, self.across = 0, None   # across: step 2's BucketReduction
+        self.failed = None      # the error step 2 raised on this rank, kept until finish
         self.node_bytes_sent, self.node_wait_seconds = 0, 0.0
 
     # what the pipeline, the scrub and the telemetry read: step 2's, once it has started
@@ -130,16 +136,28 @@ class TwoHopReduction(Reduction):
         return self
 
     def ready(self):
-        return self.across.ready() if self.stage in (2, 3) else self._handle.poll()
+        if self.stage in (2, 3):
+            return self.failed is not None or self.across.ready()
+        return self._handle.poll()
+
+    def _across_nodes(self, step):
+        """step() of the hop across nodes, unless an earlier one raised; an error is kept, not
+        raised: this rank's node peers wait for it in the node's allgather, which tells them."""
+        if self.failed is None:
+            try:
+                return step()
+            except Exception as error:     # raised by finish, on every rank of the node
+                self.failed = error
+        return None
 
     def exchange(self):
         """The next stage whose collective has arrived (stages 1 to 3)."""
         if self.stage == 1:
             self._sum_node()
         elif self.stage == 2:
-            self.across.exchange()
+            self._across_nodes(self.across.exchange)
         else:
-            self._share_across_node(self.across.gathered())
+            self._share_across_node(self._across_nodes(self.across.gathered))
             return self
         self.stage += 1
         return self
@@ -157,13 +175,16 @@ class TwoHopReduction(Reduction):
                      [self.residual1_whole[i][lo:hi] for i, lo, hi in chunk])
         self.across = BucketReduction(
             f"{self.name}.l{local}", flats, self.codec, self.cross, residual1, self.residual2,
-            step=self.step, key=mix_seed(self.key, local), divisor=self.divisor).start()
+            step=self.step, key=mix_seed(self.key, local), divisor=self.divisor)
+        self._across_nodes(self.across.start)
         self.across.flats = None    # only start() reads the node's sum: freed once encoded
 
     def _share_across_node(self, gathered):
-        out = torch.empty(self.layout.slot, dtype=torch.uint8, device=self.device)
-        out[: gathered.numel()] = gathered
-        out[gathered.numel():] = 0     # the padding: the same bytes everywhere
+        """gathered: step 2's bytes, or None where it failed on this rank."""
+        out = torch.zeros(self.layout.slot, dtype=torch.uint8, device=self.device)
+        if gathered is not None:
+            out[: gathered.numel()] = gathered
+            out[-FLAG_BYTES] = 1
         self.node_bytes_sent += out.numel() * (self.node.size - 1)
         self._handle = self.node.allgather_async(out, f"{self.name}.node_gather")
         self.stage = 4
@@ -173,6 +194,14 @@ class TwoHopReduction(Reduction):
         BucketReduction.finish)."""
         gathered = self._wait()
         self.stage = 5
+        if self.failed is not None:
+            raise self.failed
+        flags = gathered.view(self.node.size, -1)[:, -FLAG_BYTES].tolist()
+        if not all(flags):
+            failed = [local for local, flag in enumerate(flags) if not flag]
+            raise RuntimeError(f"GIFT: {self.name}: the hop across nodes failed on local rank(s) "
+                               f"{failed} of this node (their own error says why); every rank "
+                               "of the node raises")
         out = self.flats if over_inputs else [torch.empty_like(f) for f in self.flats]
         for i, pieces in enumerate(self.layout.gathered):
             self.codec.decode_pieces(gathered, pieces, out[i])

@@ -1,6 +1,8 @@
 """The two-hop reduction (two_hop.py) on simulated nodes in one process: every rank of every node
 gets the same bits, the average it should, fewer bytes across nodes than the flat reduction, and
 error feedback that cancels over steps. mpi_tests/test_two_hop.py runs it over Horovod."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -213,3 +215,49 @@ def test_flat_owned_pieces_are_the_chunk_of_the_rank():
     codec = Codec("nvfp4")
     assert flat.owned_pieces([100, 60], codec) == BucketLayout.of((100, 60), 2, 32).pieces[1]
     assert np.sum([hi - lo for _, lo, hi in flat.owned_pieces([100, 60], codec)]) == 64
+
+
+class CrossAborted:
+    """A communicator across nodes whose collectives raise on every member (an engine that
+    aborted it, as torchft's process group does when a replica dies)."""
+
+    def __init__(self, comm):
+        self.rank, self.size = comm.rank, comm.size
+
+    def alltoall_async(self, *args):
+        raise RuntimeError("the process group across nodes was aborted")
+
+    allgather_async = alltoall_async
+
+
+def test_a_hop_across_nodes_that_fails_on_one_local_rank_raises_on_every_rank_of_its_node():
+    """Local rank 1's hop across nodes raises (on both nodes); local rank 0's succeeds, then
+    waits for local rank 1 in the node's allgather. Every rank must end the reduction with an
+    error, local rank 0 naming local rank 1, instead of waiting until the node's collective
+    times out (issue 55: two-hop DiLoCo with a replica lost)."""
+    nodes, node_size = 2, 2
+    tops = topologies(nodes, node_size)
+    for top in tops[1::node_size]:
+        top.cross = CrossAborted(top.cross)
+    reductions = [top.reduction("b0", [g.clone() for g in grads], Codec("int3"), None, None,
+                                True, 0, [None] * len(grads), 0).start()
+                  for top, grads in zip(tops, gradients(nodes * node_size))]
+    outcomes = [None] * len(reductions)
+    while any(o is None for o in outcomes):
+        moved = False
+        for k, reduction in enumerate(reductions):
+            if outcomes[k] is None and reduction.ready():
+                moved = True
+                if reduction.stage < reduction.final_stage:
+                    reduction.exchange()
+                    continue
+                try:
+                    outcomes[k] = reduction.finish()
+                except RuntimeError as error:
+                    outcomes[k] = error
+        assert moved, "a rank waits for a collective its node peer never posted"
+    for k, outcome in enumerate(outcomes):
+        assert isinstance(outcome, RuntimeError), k
+        expected = ("was aborted" if k % node_size == 1
+                    else r"failed on local rank\(s\) \[1\] of this node")
+        assert re.search(expected, str(outcome)), (k, str(outcome))
