@@ -79,8 +79,8 @@ class GiftReduceScatter(ReduceScatter):
             layout = self.state.begin(self.module, input_tensor, group)
             if layout is None:      # a trained parameter of the group has no gradient
                 return self._fp32(output_tensor, input_tensor, group, op, async_op)
-            divisor = _divisor(op, self.state.comm.size)
-            self.state.reduce_scatter(layout, output_tensor, input_tensor, divisor)
+            self.state.reduce_scatter(layout, output_tensor, input_tensor,
+                                      _divisor(op, self.state))
             return None
 
     def _fp32(self, output, buffer, group, op, async_op):
@@ -89,15 +89,21 @@ class GiftReduceScatter(ReduceScatter):
         if not isinstance(self.state.topology, Hsdp):
             return REDUCE_SCATTER(output, buffer, op=op, group=group, async_op=async_op)
         REDUCE_SCATTER(output, buffer, op=op, group=group)
-        return dist.all_reduce(output, op=op, group=self.state.topology.cross.group,
-                               async_op=async_op)
+        dist.all_reduce(output, op=op, group=self.state.topology.cross.group)
+        if op == dist.ReduceOp.SUM:     # what FSDP's division leaves out (_divisor)
+            output.div_(self.state.topology.cross.size)
+        return None
 
 
-def _divisor(op, ranks):
+def _divisor(op, state):
+    """What GIFT divides the sum of every rank's rows by. AVG (fp32, bf16): every rank. SUM
+    (FSDP divides by itself, around the collective: fp16, fp64): nothing, but under HSDP the
+    replicas, since FSDP's factors count the shard group alone once its all-reduce across
+    replicas is GIFT's (internals.reduce_across_replicas_in_gift)."""
     if op == dist.ReduceOp.AVG:
-        return ranks
+        return state.comm.size
     if op == dist.ReduceOp.SUM:
-        return 1
+        return state.topology.cross.size if isinstance(state.topology, Hsdp) else 1
     raise ValueError(f"GiftReduceScatter: FSDP asked for the reduce op {op}; GIFT averages or "
                      "sums (leave set_gradient_divide_factor unset)")
 
