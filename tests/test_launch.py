@@ -170,11 +170,18 @@ def test_a_rank_killed_mid_step_under_torchrun_max_restarts_resumes_bit_for_bit(
     assert marker.exists(), "rank 1 was not killed: the test tested nothing"
     # the restarted attempt resumed at step 8 (from the checkpoint), not from the start
     assert resumed_steps.read_text() == "x" * 4, resumed_steps.read_text()
-    if engine != "ddp":     # every rank saved its own shards, optimizer and GIFT state
-        for rank in range(ranks):
-            mine = torch.load(f"{straight}.gift-rank{rank}", weights_only=False)
-            theirs = torch.load(f"{restarted}.gift-rank{rank}", weights_only=False)
-            assert same_bits(mine, theirs), f"rank {rank}'s state differs"
+    assert_resumed_as_uninterrupted(straight, restarted, ranks, sharded=engine != "ddp")
+
+
+def assert_resumed_as_uninterrupted(straight, restarted, ranks, sharded):
+    """The last checkpoints of an uninterrupted run and of a resumed one hold the same bits:
+    every rank's own file (GIFT's state; sharded: its shards of the parameters and optimizer
+    too) and, unsharded, rank 0's parameters and optimizer state."""
+    for rank in range(ranks):
+        mine = torch.load(f"{straight}.gift-rank{rank}", weights_only=False)
+        theirs = torch.load(f"{restarted}.gift-rank{rank}", weights_only=False)
+        assert same_bits(mine, theirs), f"rank {rank}'s state differs"
+    if sharded:
         return
     a = torch.load(straight, weights_only=False)
     b = torch.load(restarted, weights_only=False)
@@ -183,10 +190,6 @@ def test_a_rank_killed_mid_step_under_torchrun_max_restarts_resumes_bit_for_bit(
     for key, value in a["optimizer"]["state"].items():
         assert all(torch.equal(v, b["optimizer"]["state"][key][k]) for k, v in value.items()
                    if torch.is_tensor(v)), key
-    for rank in range(2):
-        mine = torch.load(f"{straight}.gift-rank{rank}", weights_only=False)
-        theirs = torch.load(f"{restarted}.gift-rank{rank}", weights_only=False)
-        assert same_bits(mine, theirs), f"rank {rank}'s GIFT state differs"
 
 
 HOROVOD_DIES_AFTER_SAVES = """
@@ -246,18 +249,8 @@ def test_a_rank_killed_mid_step_under_mpirun_ends_the_job_and_a_relaunch_resumes
     assert torch.load(restarted, weights_only=False)["step"] == 8   # the last checkpoint
     result = mpirun(2, TRAIN[0], *resumable)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    a = torch.load(straight, weights_only=False)
-    b = torch.load(restarted, weights_only=False)
-    assert b["step"] == 12
-    for name in a["model"]:
-        assert torch.equal(a["model"][name], b["model"][name]), f"{name} differs"
-    for key, value in a["optimizer"]["state"].items():
-        assert all(torch.equal(v, b["optimizer"]["state"][key][k]) for k, v in value.items()
-                   if torch.is_tensor(v)), key
-    for rank in range(2):
-        mine = torch.load(f"{straight}.gift-rank{rank}", weights_only=False)
-        theirs = torch.load(f"{restarted}.gift-rank{rank}", weights_only=False)
-        assert same_bits(mine, theirs), f"rank {rank}'s GIFT state differs"
+    assert torch.load(restarted, weights_only=False)["step"] == 12
+    assert_resumed_as_uninterrupted(straight, restarted, 2, sharded=False)
 
 
 def same_bits(a, b):
