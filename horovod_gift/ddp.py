@@ -6,10 +6,10 @@
 
 DDP calls gift_hook(state, bucket) for each of its gradient buckets as backward fills them, in
 the same order on every rank, and waits for the returned futures at the end of backward. GIFT
-keeps buckets of its own (core.GiftCore: the same on every rank, whatever DDP's buckets are and
-however DDP rebuilds them after the first step): a GIFT bucket's reduction starts once DDP has
-handed over all its members. torch.distributed matches collectives by call order, so the
-reductions advance by a fixed rule rather than by what has arrived: at each hook, every
+keeps buckets of its own (core.reducer.BucketReducer: the same on every rank, whatever DDP's
+buckets are and however DDP rebuilds them after the first step): a GIFT bucket's reduction starts
+once DDP has handed over all its members. torch.distributed matches collectives by call order, so
+the reductions advance by a fixed rule rather than by what has arrived: at each hook, every
 reduction started at an earlier hook moves one stage on (its stage-2 allgather is issued a hook
 after its alltoall, decoded a hook after that), and the last bucket's hook finishes the rest.
 A DDP bucket's future is set once every GIFT bucket holding its parameters is decoded; the

@@ -69,6 +69,8 @@ def main():
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
     readme = README.read_text()
+    if BEGIN not in readme or END not in readme:
+        sys.exit(f"options_table.py: README.md has lost its markers {BEGIN} ... {END}")
     start, end = readme.index(BEGIN), readme.index(END) + len(END)
     made = table()
     if args.check:

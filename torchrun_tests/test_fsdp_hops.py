@@ -77,6 +77,15 @@ def test_parameters_fsdp_reduces_with_a_sum_are_averaged_over_every_rank(kind, d
         assert error < 0.15, (name, error)     # FP8's error; twice the average is error 1
 
 
+def test_a_gradient_divide_factor_under_hsdp_is_refused_on_every_rank():
+    """FSDP would divide by the factor alone, GIFT by every rank: refused, not silently off."""
+    model, _, _ = make("hsdp", **OPTIONS)
+    model.up.set_gradient_divide_factor(2.0)
+    with pytest.raises(Exception, match="set_gradient_divide_factor is not supported"):
+        loss_of(model, 0, dist.get_rank()).backward()
+    assert gathered(True) == [True] * dist.get_world_size()
+
+
 def test_hsdp_replicas_hold_bit_identical_shards():
     model, opt, _ = make("hsdp", **OPTIONS)
     train(model, opt, 5)
@@ -153,7 +162,12 @@ def test_the_private_fsdp_attributes_gift_reads():
     shard_pg, replicate_pg = fsdp_internals.hsdp_groups(group)
     assert (shard_pg.size(), replicate_pg.size()) == (per_node(), NODES)
     assert fsdp_internals.shard_group(group) is shard_pg
+    assert group.gradient_divide_factor is None
+    model.up.set_gradient_divide_factor(3.0)
+    assert group.gradient_divide_factor == 3.0
     fsdp_internals.reduce_across_replicas_in_gift(group)
     assert fsdp_internals.hsdp_groups(group) == (shard_pg, replicate_pg)
     assert fsdp_internals.shard_group(group) is shard_pg
     assert not group._is_hsdp      # FSDP's foreach_reduce then skips its all-reduce
+    fsdp_internals.keep_reduction_across_replicas_in_fsdp(group)
+    assert group._is_hsdp and group.post_forward_mesh_info is group.mesh_info

@@ -90,7 +90,7 @@ class GiftCore(GiftStateBase):
         self.plan = TransformPlan(self.params, config.transform, self.statistics,
                                   HadamardRotation(config.hadamard_block, config.seed))
         self.reducer = BucketReducer(self.params, compressed, config, self.codec, self.plan,
-                                       self.telemetry)
+                                     self.telemetry)
         self.own = self.reducer         # its residuals are this rank's own state
         self._compiles_seen = CompileCount.count
         self.current = None             # the step in flight (a step_kind)

@@ -60,7 +60,8 @@ class BucketReducer(PerRankState):
         this step take zeros); count: the step's number (stochastic rounding's seed)."""
         names = self.buckets[bucket]
         flats = [step.u[n] if n in step.u else
-                 torch.zeros(self.params[n].numel(), device=self.params[n].device)
+                 torch.zeros(self.params[n].numel(), dtype=torch.float32,
+                             device=self.params[n].device)
                  for n in names]
         residual1 = residual2 = None
         if self.feedback:

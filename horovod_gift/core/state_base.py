@@ -1,5 +1,6 @@
 """What every GIFT state of a model holds and does, whatever reduces its gradients: core.GiftCore
-(buckets, for Horovod and DDP) and fsdp.state.FsdpGiftState (FSDP's rows) are its two kinds.
+(with its BucketReducer's buckets, for Horovod and DDP) and fsdp.state.FsdpGiftState (FSDP's rows)
+are its two kinds.
 
 It holds the configuration, the codec, the whitening statistics, the counters and the step, and
 runs what a step shares in every engine: a loaded per-rank state applied once the ranks are

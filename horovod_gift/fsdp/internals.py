@@ -15,7 +15,10 @@ test_fsdp_hops.py) fails when torch changes any of them.
   and no public API replaces that collective (`set_all_reduce_hook` runs after it). GIFT gives
   such a group an FSDPMeshInfo over the same shard dimension (`reduce_across_replicas_in_gift`):
   FSDP then reduce-scatters in the node only, and GIFT's reduce-scatter does the cross-replica
-  part, quantized. Parameters, all-gathers and DTensor placements keep the 2-D mesh.
+  part, quantized. Parameters, all-gathers and DTensor placements keep the 2-D mesh
+  (`keep_reduction_across_replicas_in_fsdp` undoes it where attach raises).
+- `FSDPParamGroup.gradient_divide_factor` (FSDPModule.set_gradient_divide_factor's): under HSDP
+  GIFT refuses a factor, which FSDP would divide by alone.
 """
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
@@ -74,3 +77,15 @@ def reduce_across_replicas_in_gift(group):
     if group.post_forward_mesh_info is info:
         group.post_forward_mesh_info = flat
     group.mesh_info = flat
+
+
+def keep_reduction_across_replicas_in_fsdp(group):
+    """Undo reduce_across_replicas_in_gift (an attach that raised): FSDP all-reduces across
+    replicas again."""
+    info = getattr(group, "_gift_hsdp_mesh_info", None)
+    if info is None:
+        return
+    if group.post_forward_mesh_info is group.mesh_info:
+        group.post_forward_mesh_info = info
+    group.mesh_info = info
+    del group._gift_hsdp_mesh_info

@@ -50,6 +50,7 @@ from ..torch_comm import REDUCE_SCATTER, TorchCommunicator, torch_topology
 from .allgather import use_quantized_all_gather
 from .internals import (
     hsdp_groups,
+    keep_reduction_across_replicas_in_fsdp,
     param_group,
     reduce_across_replicas_in_gift,
     shard_group,
@@ -79,6 +80,11 @@ class GiftReduceScatter(ReduceScatter):
             layout = self.state.begin(self.module, input_tensor, group)
             if layout is None:      # a trained parameter of the group has no gradient
                 return self._fp32(output_tensor, input_tensor, group, op, async_op)
+            if (isinstance(self.state.topology, Hsdp)
+                    and param_group(self.module).gradient_divide_factor is not None):
+                # FSDP would divide by the factor alone, and GIFT could not tell what is left
+                raise ValueError("GIFT (FSDP): set_gradient_divide_factor is not supported "
+                                 "under HSDP; leave it unset (GIFT averages over every rank)")
             self.state.reduce_scatter(layout, output_tensor, input_tensor,
                                       _divisor(op, self.state))
             return None
@@ -128,8 +134,10 @@ def attach(model: torch.nn.Module, config: Optional[GiftConfig] = None,
     # all-gather, cannot tell ranks whose shapes differ (nor the first step's check, after it)
     try:
         state.settle_ranks(before_training=True)
-    except ValueError:
+    except Exception:
         state.statistics.remove_hooks()     # as if attach had never run
+        for module in modules:
+            keep_reduction_across_replicas_in_fsdp(param_group(module))
         raise
     for module in modules:
         module.set_custom_reduce_scatter(GiftReduceScatter(state, module))

@@ -17,7 +17,7 @@ has arrived to its next stage (reduce/pipeline.py: stage 2 and decoding inside b
 waiting; Horovod matches collectives by name, so the order may differ across ranks), and the
 first decompress of a step starts the rest's second stages. Tensors under `min_elements`, sparse
 gradients and steps in which a rank has called hvd.join() take Horovod's own fp32 reduction.
-The state and step logic are the engine-neutral core's (core/gift_core.py).
+The state and step logic are the engine-neutral core's (core/gift_core.py, core/reducer.py).
 """
 from __future__ import annotations
 
@@ -115,8 +115,8 @@ class GIFT(GiftCore, Compressor):
         self.set_comm(HorovodCommunicator(self.process_set))
         if (self.reducer.topology is None or self.reducer.topology.comm.process_set.process_set_id
                 != self.process_set.process_set_id):
-            self.reducer.topology = horovod_topology(self.config.topology, self.config.node_size,
-                                             self.process_set)
+            self.reducer.topology = horovod_topology(self.config.topology,
+                                                     self.config.node_size, self.process_set)
         self.reducer.average = optimizer.op == hvd.Average
         self._optimizer = weakref.ref(optimizer)
 

@@ -14,7 +14,10 @@ nodes, rank (node k, local rank l) and a bucket of flat fp32 tensors u_1..u_m:
      and every rank decodes the L x N payloads: the same bytes and scales on every rank of every
      node, so the results are bit-identical. Each rank's slot ends with a flag: whether its hop
      across nodes succeeded. A rank whose hop raised still takes part in the node's allgather
-     (its peers wait for it there), and then every rank of the node raises, naming it.
+     (its peers wait for it there) and then raises; its node peers raise too, naming it (CPU
+     tensors), or return the bucket NaN (CUDA: no host sync a bucket). This covers a group
+     across nodes that fails on every member (an engine's abort, torchft's on a lost replica);
+     one that fails on some members only leaves the other nodes to their collectives' timeout.
 Bytes across nodes per rank: about 2 (N - 1) / N * (elements / L) * bits / 8: 1/L of the flat
 reduction's. Inside the node: (L - 1) / L of the bucket in fp32 and the step-2 bytes L - 1 times.
 
@@ -196,13 +199,20 @@ class TwoHopReduction(Reduction):
         self.stage = 5
         if self.failed is not None:
             raise self.failed
-        flags = gathered.view(self.node.size, -1)[:, -FLAG_BYTES].tolist()
-        if not all(flags):
-            failed = [local for local, flag in enumerate(flags) if not flag]
-            raise RuntimeError(f"GIFT: {self.name}: the hop across nodes failed on local rank(s) "
-                               f"{failed} of this node (their own error says why); every rank "
-                               "of the node raises")
+        flags = gathered.view(self.node.size, -1)[:, -FLAG_BYTES]
+        if flags.device.type == "cpu":      # read on the host at no cost: raise, naming them
+            failed = [local for local, flag in enumerate(flags.tolist()) if not flag]
+            if failed:
+                raise RuntimeError(f"GIFT: {self.name}: the hop across nodes failed on local "
+                                   f"rank(s) {failed} of this node (their own error says why); "
+                                   "every rank of the node raises")
         out = self.flats if over_inputs else [torch.empty_like(f) for f in self.flats]
         for i, pieces in enumerate(self.layout.gathered):
             self.codec.decode_pieces(gathered, pieces, out[i])
+        if flags.device.type != "cpu":
+            # no host sync on the step's path: where a peer failed, the whole bucket comes back
+            # NaN, and the frontend's non-finite rule applies (DiLoCo discards the outer step)
+            failed = (flags == 0).any()
+            for tensor in out:
+                tensor.masked_fill_(failed, float("nan"))
         return out

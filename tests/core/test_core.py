@@ -136,6 +136,16 @@ def test_a_resume_at_a_refresh_step_is_bit_for_bit():
                 assert torch.equal(resumed[rank][later][name], g), (rank, step, name)
 
 
+def test_a_ranks_checkpoint_holds_the_keys_earlier_checkpoints_have():
+    """state_dict()["rank_state"]: made by GiftStateBase from the reducer's part since the split
+    (issue 56); checkpoints saved before it must still load, so the keys stay these."""
+    saved = run_ranks(2, lambda rank, comm: train(rank, comm, steps=1))
+    for _, state in saved:
+        assert set(state["rank_state"]) == {"rank", "ranks", "statistics", "feedback",
+                                            "grad_scale", "topology", "average"}
+        assert set(state["rank_state"]["feedback"]) == {"residual1", "residual2", "spread"}
+
+
 def test_a_configuration_that_differs_raises_on_every_rank():
     def work(rank, comm):
         options = {"format": "fp8_e4m3"} if rank == 1 else {}
