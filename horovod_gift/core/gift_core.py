@@ -178,9 +178,6 @@ class GiftCore(GiftStateBase):
                 f"tensors under {self.config.min_elements} elements go fp32")
 
     # ---------------------------------------------------------------- checks and checkpoints
-    def topology_description(self):
-        return self.reducer.topology.description
-
     def agreed(self):
         # the rotation's layout too: saved residuals live in the rotated space, and ranks must
         # agree on it
@@ -191,8 +188,9 @@ class GiftCore(GiftStateBase):
                     model=fingerprint((self.reducer.buckets, shapes)),
                     linear=fingerprint(self.linear_layers))
 
-    def shared_state(self):
-        return dict(super().shared_state(), plan=self.plan.state_dict())
+    def state_dict(self, rank_state: bool = True) -> dict:
+        """GiftStateBase's, and the transforms' choices (the "auto" vote's)."""
+        return dict(super().state_dict(rank_state), plan=self.plan.state_dict())
 
     def load_state_dict(self, state: dict) -> None:
         """The shared part now; the per-rank part if this rank saved it in a job of this size

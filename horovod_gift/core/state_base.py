@@ -52,7 +52,8 @@ def check_ranks_agree(comm, config):
 class PerRankState(ABC):
     """What a kind of state keeps for one rank of one job beside the statistics' histories (its
     error-feedback residuals and what they depend on): saved in that rank's checkpoint, usable
-    only by the same rank of a job of the same size."""
+    only by the same rank of a job of the same size. `topology`: the Topology its residuals are
+    laid out in (what the ranks' check compares)."""
 
     @abstractmethod
     def state(self) -> dict:
@@ -111,7 +112,7 @@ class GiftStateBase:
         if not self._verify:
             return False
         check_ranks_agree(self.comm, dict(self.agreed(), step=self.step,
-                                          topology=self.topology_description()))
+                                          topology=self.own.topology.description))
         self._verify = before_training
         return True
 
@@ -131,9 +132,6 @@ class GiftStateBase:
         self.telemetry.end_step(self.step, self._transform_counts, self.comm.rank == 0)
 
     # ---------------------------------------------------------------- what a kind says
-    def topology_description(self):
-        raise NotImplementedError
-
     def describe(self):
         raise NotImplementedError
 
@@ -152,7 +150,14 @@ class GiftStateBase:
         if self._pending_rank_state is NOTHING_PENDING:
             return
         saved, self._pending_rank_state = self._pending_rank_state, NOTHING_PENDING
-        why = self._unusable(saved)
+        n, me = self.comm.size, self.comm.rank
+        if saved is None:
+            why = "it has no per-rank state"
+        elif (saved["ranks"], saved["rank"]) != (n, me):
+            why = (f"it was saved by rank {saved['rank']} of {saved['ranks']}, "
+                   f"this is rank {me} of {n}")
+        else:       # what else the kind's part depends on
+            why = self.own.unusable(saved)
         if why is None:
             self.statistics.load_local_state_dict(saved["statistics"])
             self.own.restore(saved)
@@ -163,17 +168,6 @@ class GiftStateBase:
                                    and saved["rank"] != self.comm.rank):
             logger.warning("%s.load_state_dict: %s; error-feedback residuals and statistics "
                            "histories restart at zero (the rest is kept)", self.label, why)
-
-    def _unusable(self, saved):
-        """Why this rank cannot take saved (a state_dict()["rank_state"] or None), or None if it
-        can."""
-        n, me = self.comm.size, self.comm.rank
-        if saved is None:
-            return "it has no per-rank state"
-        if (saved["ranks"], saved["rank"]) != (n, me):
-            return (f"it was saved by rank {saved['rank']} of {saved['ranks']}, "
-                    f"this is rank {me} of {n}")
-        return self.own.unusable(saved)
 
     def _forget_rank_state(self):
         """What belongs to this rank in this job restarts; the ranks check they agree at the
@@ -201,17 +195,14 @@ class GiftStateBase:
         config = {name: getattr(self.config, name) for name in numeric_options()}
         return dict(config, residual_dtype=str(config["residual_dtype"]))
 
-    def shared_state(self):
-        return {"step": self.step, "config": self.agreed(),
-                "statistics": self.statistics.state_dict()}
-
     def state_dict(self, rank_state: bool = True) -> dict:
         """The shared state (step, configuration, whitening statistics and factors, ...), the
         same on every rank, and, unless rank_state=False, this rank's own (error-feedback
         residuals and statistics histories, with the rank and the number of ranks). Not
         collective. To resume bit for bit, every rank saves its own (one file per rank); the
         shared part alone resumes on any number of ranks, residuals at zero."""
-        state = dict(self.shared_state(), rank_state=None)
+        state = {"step": self.step, "config": self.agreed(),
+                 "statistics": self.statistics.state_dict(), "rank_state": None}
         if rank_state and self._pending_rank_state is not NOTHING_PENDING:
             state["rank_state"] = self._pending_rank_state     # loaded, not applied yet
         elif rank_state and self.comm is not None:

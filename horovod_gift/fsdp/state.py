@@ -333,9 +333,6 @@ class FsdpGiftState(GiftStateBase):
                 part.copy_(whitening.forward(x, out=x).view(part.shape))
 
     # ---------------------------------------------------------------- checks and checkpoints
-    def topology_description(self):
-        return self.topology.description
-
     def agreed(self):
         shapes = [(n, tuple(p.shape)) for n, p in self.params.items()]
         return dict(super().agreed(), param_format=self.config.param_format,
