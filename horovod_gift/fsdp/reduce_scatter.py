@@ -80,13 +80,8 @@ class GiftReduceScatter(ReduceScatter):
             layout = self.state.begin(self.module, input_tensor, group)
             if layout is None:      # a trained parameter of the group has no gradient
                 return self._fp32(output_tensor, input_tensor, group, op, async_op)
-            if (isinstance(self.state.topology, Hsdp)
-                    and param_group(self.module).gradient_divide_factor is not None):
-                # FSDP would divide by the factor alone, and GIFT could not tell what is left
-                raise ValueError("GIFT (FSDP): set_gradient_divide_factor is not supported "
-                                 "under HSDP; leave it unset (GIFT averages over every rank)")
-            self.state.reduce_scatter(layout, output_tensor, input_tensor,
-                                      _divisor(op, self.state))
+            divisor = _divisor(op, self.state, param_group(self.module).gradient_divide_factor)
+            self.state.reduce_scatter(layout, output_tensor, input_tensor, divisor)
             return None
 
     def _fp32(self, output, buffer, group, op, async_op):
@@ -101,11 +96,15 @@ class GiftReduceScatter(ReduceScatter):
         return None
 
 
-def _divisor(op, state):
+def _divisor(op, state, factor):
     """What GIFT divides the sum of every rank's rows by. AVG (fp32, bf16): every rank. SUM
     (FSDP divides by itself, around the collective: fp16, fp64): nothing, but under HSDP the
     replicas, since FSDP's factors count the shard group alone once its all-reduce across
-    replicas is GIFT's (internals.reduce_across_replicas_in_gift)."""
+    replicas is GIFT's (internals.reduce_across_replicas_in_gift). factor: the module's
+    set_gradient_divide_factor, which FSDP would divide by alone: refused under HSDP."""
+    if factor is not None and isinstance(state.topology, Hsdp):
+        raise ValueError("GIFT (FSDP): set_gradient_divide_factor is not supported under HSDP; "
+                         "leave it unset (GIFT averages over every rank)")
     if op == dist.ReduceOp.AVG:
         return state.comm.size
     if op == dist.ReduceOp.SUM:

@@ -15,9 +15,10 @@ nodes, rank (node k, local rank l) and a bucket of flat fp32 tensors u_1..u_m:
      node, so the results are bit-identical. Each rank's slot ends with a flag: whether its hop
      across nodes succeeded. A rank whose hop raised still takes part in the node's allgather
      (its peers wait for it there) and then raises; its node peers raise too, naming it (CPU
-     tensors), or return the bucket NaN (CUDA: no host sync a bucket). This covers a group
-     across nodes that fails on every member (an engine's abort, torchft's on a lost replica);
-     one that fails on some members only leaves the other nodes to their collectives' timeout.
+     tensors), or return every tensor of the bucket non-finite (CUDA: no host sync a bucket).
+     This covers a group across nodes that fails on every member (an engine's abort, torchft's
+     on a lost replica); one that fails on some members only leaves the other nodes to their
+     collectives' timeout.
 Bytes across nodes per rank: about 2 (N - 1) / N * (elements / L) * bits / 8: 1/L of the flat
 reduction's. Inside the node: (L - 1) / L of the bucket in fp32 and the step-2 bytes L - 1 times.
 
@@ -210,9 +211,10 @@ class TwoHopReduction(Reduction):
         for i, pieces in enumerate(self.layout.gathered):
             self.codec.decode_pieces(gathered, pieces, out[i])
         if flags.device.type != "cpu":
-            # no host sync on the step's path: where a peer failed, the whole bucket comes back
-            # NaN, and the frontend's non-finite rule applies (DiLoCo discards the outer step)
+            # no host sync on the step's path, and no pass over the bucket: where a peer failed,
+            # the first element of every tensor comes back NaN, and the frontend's non-finite
+            # rule applies (DiLoCo discards the outer step)
             failed = (flags == 0).any()
             for tensor in out:
-                tensor.masked_fill_(failed, float("nan"))
+                tensor[:1].masked_fill_(failed, float("nan"))
         return out
