@@ -11,6 +11,10 @@ What differs from a gradient's step:
 - the sum is divided by the participants (a healing replica sends zeros), not the ranks;
 - the replicas, and this one's rank among them, change between syncs (quorums): before a sync
   laid out otherwise, r2 (laid out by the old ranks) is folded into r1, which is per parameter.
+- a collective across replicas can fail on one rank of a replica group and not on the others
+  (torchft then discards the outer step): with two hops, the group's ranks still run every
+  collective inside the group, in the same order, and agree at the end (failed_locals), so
+  every rank of the group raises and none waits for a peer that left the sync.
 Memory: r1 a parameter's elements, r2 1/ranks of each bucket, in residual_dtype; during a sync,
 a copy of both (the rollback's).
 """
@@ -23,6 +27,14 @@ from ..codec.tensor_codec import Codec
 from ..reduce.collective import Fp32Reduction, fill_buckets, mix_seed
 from ..reduce.feedback import ErrorFeedback, fold_into
 from ..reduce.topology import owned_pieces
+
+
+def failed_locals(node, failed, device):
+    """The local ranks of the replica group (node, a Communicator) whose `failed` is true: one
+    allgather of a byte a rank, read on the host (once a sync)."""
+    mine = torch.tensor([1 if failed else 0], dtype=torch.uint8, device=device)
+    flags = node.allgather_async(mine, "gift.diloco.failed").wait()
+    return [local for local, flag in enumerate(flags.tolist()) if flag]
 
 
 class PseudoGradientState:
@@ -131,10 +143,13 @@ class PseudoGradientState:
 
 class PseudoGradientSync:
     """One sync in flight: made by PseudoGradientState.start, which has issued every bucket's
-    first collective (the alltoall); finish() drives the rest, in the same order on every rank."""
+    first collective (the alltoall); finish() drives the rest, in the same order on every rank.
+    An error across replicas is kept, not raised, until finish() has run every collective inside
+    the replica group (errors)."""
 
     def __init__(self, state, grads, topology, cross, divisor, participants, step, feedback):
-        self.state, self.grads = state, grads
+        self.state, self.grads, self.node = state, grads, topology.node
+        self.errors = []
         codec = state.codec
         self.flats = {}
         for names in state.buckets:
@@ -156,25 +171,57 @@ class PseudoGradientSync:
             reduction = topology.reduction(f"gift.diloco.b{k}", flats, codec, residual1,
                                            residual2, True, step, None,
                                            mix_seed(state.key, k), divisor)
-            self.reductions.append(reduction.start())
+            self.reductions.append(self._started(reduction))
         self.small = None
         if state.small:
             flat = torch.cat([grads[n].detach().reshape(-1).to(torch.float32)
                               for n in state.small])
-            self.small = Fp32Reduction("gift.diloco.fp32", flat, cross, participants).start()
+            self.small = self._started(Fp32Reduction("gift.diloco.fp32", flat, cross,
+                                                     participants))
+        self.device = next(iter(grads.values())).device
         self.bytes_sent = 0
         # of those, what the quantized reductions sent across replicas (a two-hop reduction's
         # other bytes stay inside the replica group)
         self.cross_bytes = 0
+
+    def _started(self, reduction):
+        """reduction.start(), or None where it raised (kept in errors)."""
+        try:
+            return reduction.start()
+        except Exception as error:
+            self.errors.append(error)
+            return None
+
+    def _finished(self, reduction, **kwargs):
+        """reduction's result, driven to its end, or None where it raised (kept in errors)."""
+        try:
+            while reduction.stage < reduction.final_stage:
+                reduction.exchange()
+            return reduction.finish(**kwargs)
+        except Exception as error:
+            self.errors.append(error)
+            return None
+
+    def _raise_errors(self):
+        """This rank's first error, or, with two hops, the failure of a peer in the replica
+        group: every rank of the group raises (none goes on to commit what a peer lacks)."""
+        failed = (failed_locals(self.node, bool(self.errors), self.device)
+                  if self.node is not None else [])
+        if self.errors:
+            raise self.errors[0]
+        if failed:
+            raise RuntimeError(f"GIFT: the sync across replicas failed on local rank(s) "
+                               f"{failed} of this replica group (their own error says why)")
 
     def finish(self):
         """Write the averages over grads; returns the names whose average is not finite (the
         same on every rank: the averages are)."""
         out = {}
         for names, reduction in zip(self.state.buckets, self.reductions):
-            while reduction.stage < reduction.final_stage:
-                reduction.exchange()
-            for name, u in zip(names, reduction.finish(over_inputs=True)):
+            finished = reduction and self._finished(reduction, over_inputs=True)
+            if finished is None:
+                continue
+            for name, u in zip(names, finished):
                 out[name] = u
             self.bytes_sent += reduction.bytes_sent
             self.cross_bytes += reduction.bytes_sent - getattr(reduction, "node_bytes_sent", 0)
@@ -183,10 +230,12 @@ class PseudoGradientSync:
             if self.state.rotation is not None:
                 u = self.state.rotation.apply(u, inverse=True, out=u)
             g.copy_(u.view(g.shape))
-        if self.small is not None:
+        flat = self.small and self._finished(self.small)
+        self._raise_errors()
+        if flat is not None:
             n, chunk = self.small.comm.size, self.small.chunk
             self.bytes_sent += 2 * (n - 1) * chunk * 4     # its alltoall's and allgather's
-            flat, offset = self.small.finish(), 0
+            offset = 0
             for name in self.state.small:
                 g = self.grads[name]
                 g.copy_(flat[offset : offset + g.numel()].view(g.shape))

@@ -15,6 +15,8 @@ participants, and the same bits on every replica. torchft's rules stay:
 - a collective that fails is reported to the manager (later ones are skipped), the fragment's
   pseudo-gradients are zeroed, should_commit() fails everywhere and the outer step is discarded;
   GIFT's residuals roll back with it (core/pseudo_gradients.py: they change only on a commit);
+  with two hops, a collective across replicas that fails on one rank of a replica group fails
+  the sync on every rank of the group (they agree before and after it), so none waits;
 - a replica that does not participate (healing) sends zeros, without its residuals;
 - a non-finite average (the same on every replica) discards the outer step the same way
   (nonfinite="nan"), or raises on every replica (nonfinite="raise");
@@ -42,7 +44,8 @@ from torchft.local_sgd import DiLoCo
 
 from ..codec.tensor_codec import Codec
 from ..config import GiftConfig, numeric_options
-from ..core.pseudo_gradients import PseudoGradientState
+from ..core.pseudo_gradients import PseudoGradientState, failed_locals
+from ..reduce.communicator import StopAtFirstError
 from ..reduce.topology import Flat, TwoHop
 from ..torch_comm import ProcessGroupCommunicator, TorchCommunicator
 from . import torchft_internals as internals
@@ -224,16 +227,26 @@ class FragmentSync:
         whose wait() drives the rest."""
         grads = internals.pseudo_gradients(self.fragment)
         works = internals.pending_works(self.fragment)
-        if self.manager.errored():     # torchft skips every collective after an error
-            works.append(_Done())
-            return
-        try:
-            self.manager.wait_quorum()
-            pg = internals.process_group(self.manager)
-            cross = ProcessGroupCommunicator(pg, internals.process_group_rank(pg))
-            fingerprints = self._fingerprints(cross, next(iter(grads.values())).device)
-        except Exception as error:      # torchft's rule: report, zero, go on
+        device = next(iter(grads.values())).device
+        errored, error = self.manager.errored(), None   # torchft skips collectives after one
+        if not errored:
+            try:
+                self.manager.wait_quorum()
+                pg = internals.process_group(self.manager)
+                cross = StopAtFirstError(
+                    ProcessGroupCommunicator(pg, internals.process_group_rank(pg)))
+                fingerprints = self._fingerprints(cross, device)
+            except Exception as raised:
+                error = raised
+        # with two hops, a rank that cannot start leaves its group's collectives: none starts
+        failed = (failed_locals(self.node, errored or error is not None, device)
+                  if self.node is not None else [])
+        if error is None and failed and not errored:
+            error = RuntimeError(f"GIFT: the sync across replicas could not start on local "
+                                 f"rank(s) {failed} of this replica group")
+        if error is not None:   # torchft's rule: report, zero, go on
             self._fail(error, grads)
+        if errored or error is not None:
             works.append(_Done())
             return
         self._check_agreement(fingerprints)     # a misconfiguration raises on every replica

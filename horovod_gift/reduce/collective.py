@@ -275,6 +275,8 @@ class Fp32Reduction:
     a frontend whose buffers change, as DDP's do after the first step, would not resume bit for
     bit). start() -> exchange() -> finish(); the bytes are a ring allreduce's."""
 
+    final_stage = 2     # as BucketReduction's
+
     def __init__(self, name, flat, comm, divisor):
         self.name, self.flat, self.comm, self.divisor = name, flat, comm, divisor
         self.chunk = -(-flat.numel() // comm.size)

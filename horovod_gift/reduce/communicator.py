@@ -82,6 +82,54 @@ class Communicator(ABC):
         return [pickle.loads(row[:size].numpy().tobytes()) for row, size in zip(gathered, sizes)]
 
 
+class StopAtFirstError(Communicator):
+    """comm, until one of its collectives raises (when issued or waited for): from then on each
+    later call raises at once and issues nothing. A rank that left a collective would otherwise
+    send its next one's bytes to peers still in the first (torchft's rule after an error: skip
+    every later collective; gloo aborts the process on the mismatch)."""
+
+    def __init__(self, comm):
+        self.comm, self.size, self.rank = comm, comm.size, comm.rank
+        self.error = None
+
+    def _issue(self, method, name, *args):
+        if self.error is not None:
+            raise RuntimeError(f"GIFT: collective {name!r} not issued: an earlier one on this "
+                               f"rank failed ({self.error})")
+        try:
+            return _Watched(getattr(self.comm, method)(*args, name), self)
+        except Exception as error:
+            self.error = error
+            raise
+
+    def alltoall_async(self, tensor, splits, name):
+        return self._issue("alltoall_async", name, tensor, splits)
+
+    def allgather_async(self, tensor, name):
+        return self._issue("allgather_async", name, tensor)
+
+    def allreduce_async(self, tensor, op, name):
+        return self._issue("allreduce_async", name, tensor, op)
+
+    def broadcast_async_(self, tensor, root, name):
+        return self._issue("broadcast_async_", name, tensor, root)
+
+
+class _Watched(Handle):
+    def __init__(self, handle, owner):
+        self.handle, self.owner = handle, owner
+
+    def poll(self):
+        return self.handle.poll()
+
+    def wait(self):
+        try:
+            return self.handle.wait()
+        except Exception as error:
+            self.owner.error = self.owner.error or error
+            raise
+
+
 class LocalGroup:
     """n ranks in one process, each a LocalCommunicator (communicators()): for tests and
     simulations. The c-th call of a name on one rank meets the c-th call of it on the others.
