@@ -84,9 +84,10 @@ class Communicator(ABC):
 
 class StopAtFirstError(Communicator):
     """comm, until one of its collectives raises (when issued or waited for): from then on each
-    later call raises at once and issues nothing. A rank that left a collective would otherwise
-    send its next one's bytes to peers still in the first (torchft's rule after an error: skip
-    every later collective; gloo aborts the process on the mismatch)."""
+    later call raises at once and issues nothing, and a wait for one issued before raises too
+    (its result is of no use, and it may only end at the timeout). A rank that left a collective
+    would otherwise send its next one's bytes to peers still in the first (torchft's rule after
+    an error: skip every later collective; gloo aborts the process on the mismatch)."""
 
     def __init__(self, comm):
         self.comm, self.size, self.rank = comm, comm.size, comm.rank
@@ -123,10 +124,13 @@ class _Watched(Handle):
         return self.handle.poll()
 
     def wait(self):
+        if self.owner.error is not None:
+            raise RuntimeError(f"GIFT: not waited for: an earlier collective on this rank failed "
+                               f"({self.owner.error})")
         try:
             return self.handle.wait()
         except Exception as error:
-            self.owner.error = self.owner.error or error
+            self.owner.error = error
             raise
 
 

@@ -45,6 +45,7 @@ def test_a_communicator_issues_nothing_after_a_collective_fails(failure):
     inner = Recorder()
     comm = StopAtFirstError(inner)
     assert comm.allgather_async(torch.ones(1), "before").wait().tolist() == [1.0, 1.0]
+    pending = comm.allgather_async(torch.ones(1), "pending")
     with pytest.raises(RuntimeError, match="refused|peer gone"):
         if failure == "issued":
             comm.alltoall_async(torch.ones(2), torch.tensor([1, 1]), "fails")
@@ -52,4 +53,6 @@ def test_a_communicator_issues_nothing_after_a_collective_fails(failure):
             comm.allreduce_async(torch.ones(1), "sum", "fails").wait()
     with pytest.raises(RuntimeError, match="'after' not issued: an earlier one on this rank"):
         comm.allgather_async(torch.ones(1), "after")
-    assert inner.issued == ["before", "fails"]
+    with pytest.raises(RuntimeError, match="not waited for: an earlier collective"):
+        pending.wait()
+    assert inner.issued == ["before", "pending", "fails"]
