@@ -123,12 +123,13 @@ def test_the_library_imports_no_trainer_it_is_not_asked_for():
 
 def test_the_step_core_is_split_by_concern_into_classes_under_15_methods():
     """GiftCore (the step's life and checkpoints), its BucketReducer (buckets, reductions,
-    residuals) and GiftStateBase (what every kind shares): each under 15 methods of its own
-    (issue 56: GiftCore had 32, GiftStateBase 20)."""
+    residuals), GiftStateBase (what every kind shares) and FsdpGiftState (its row reductions in
+    fsdp/rows.py): each under 15 methods of its own (issue 56: GiftCore had 32, GiftStateBase
+    20, FsdpGiftState 18)."""
     sizes = {}
-    for module in ("gift_core", "reducer", "state_base"):
-        tree = ast.parse((PACKAGE / "core" / f"{module}.py").read_text())
+    for path in ("core/gift_core.py", "core/reducer.py", "core/state_base.py", "fsdp/state.py"):
+        tree = ast.parse((PACKAGE / path).read_text())
         sizes.update({node.name: sum(isinstance(item, ast.FunctionDef) for item in node.body)
                       for node in tree.body if isinstance(node, ast.ClassDef)})
-    assert {"GiftCore", "BucketReducer", "GiftStateBase"} <= sizes.keys()
+    assert {"GiftCore", "BucketReducer", "GiftStateBase", "FsdpGiftState"} <= sizes.keys()
     assert all(count < 15 for count in sizes.values()), sizes

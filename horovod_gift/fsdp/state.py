@@ -1,8 +1,7 @@
-"""The state and the reduce-scatter of GIFT under FSDP2 (reduce_scatter.py is the frontend and
-says how it works): where each parameter lies in a group's buffers (GroupLayout), and
-FsdpGiftState, which holds the codec, the whitening statistics, the residuals and the step count
-of one model, and reduces a group's rows over the ranks as its Topology (reduce/topology.py)
-lays them:
+"""The state of GIFT under FSDP2 (reduce_scatter.py is the frontend and says how it works):
+where each parameter lies in a group's buffers (GroupLayout), and FsdpGiftState, which holds the
+codec, the whitening statistics, the residuals and the step count of one model, and reduces a
+group's rows over the ranks (rows.py) as its Topology (reduce/topology.py) lays them:
 
   Flat      1-D FSDP, one hop: every rank quantizes all P rows, sends row k to rank k, which
             decodes P payloads and sums them in fp32.
@@ -32,19 +31,18 @@ from ..codec.tensor_codec import TensorPieces
 from ..config import GiftConfig
 from ..core.state_base import GiftStateBase, PerRankState, fingerprint
 from ..geometry.linear_layers import linear_readers
-from ..reduce.collective import (
-    BucketLayout,
-    BucketReduction,
-    Fp32Reduction,
-    RowReduction,
-    mix_seed,
-    name_key,
-    timed_wait,
-)
-from ..reduce.feedback import fold_into, scrub
+from ..reduce.collective import mix_seed, name_key
+from ..reduce.feedback import scrub
 from ..reduce.topology import Hsdp
 from ..telemetry import logger
 from .internals import param_group, trained_fsdp_params
+from .rows import (
+    node_reduce_scatter,
+    quantized_reduce_scatter,
+    replica_allreduce,
+    unwhiten_row,
+    whiten_rows,
+)
 
 
 class GroupLayout:
@@ -231,90 +229,25 @@ class FsdpGiftState(GiftStateBase):
     # ---------------------------------------------------------------- the reduce-scatter
     def reduce_scatter(self, layout, output, buffer, divisor):
         """output <- this rank's row of the sum (divided by divisor) of every rank's buffer:
-        fp32 inside the node first where the topology has nodes, then the quantized hop."""
+        fp32 inside the node first where the topology has nodes, then the quantized hop
+        (rows.py)."""
         work = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
         rows, topology = work.view(-1, layout.shard), self.topology
         if topology.node is not None:
             rows = node_reduce_scatter(rows, topology.node, self.telemetry)
-        self.whiten(layout, rows)
+        whitened = self._whitened(layout)
+        whiten_rows(layout, rows, whitened)
+        residual = self.residual(layout, rows.device)
         if isinstance(topology, Hsdp):
-            mine = self._replica_allreduce(layout, rows.view(-1), divisor)
+            mine, bounds = replica_allreduce(layout, rows.view(-1), divisor, self.codec,
+                                             topology.cross, residual, self.step,
+                                             self.telemetry)
         else:
-            mine = self.quantized_reduce_scatter(layout, rows, topology.across(), divisor)
-        output.copy_(self.unwhiten(layout, mine))
-
-    def whiten(self, layout, rows):
-        """Whitening of every row's linear weights, in place (whole rows of each weight)."""
-        for i, whitening in self._whitened(layout):
-            part = layout.columns(rows, i)
-            x = part.reshape(-1, whitening.in_features)   # a copy unless rows is one row
-            y = whitening.forward(x, out=x)
-            if y.data_ptr() != part.data_ptr():
-                part.copy_(y.view(part.shape))
-
-    def unwhiten(self, layout, mine):
-        """The inverse of whiten on this rank's reduced row, in place; returns it."""
-        for i, whitening in self._whitened(layout):
-            part = mine[layout.offsets[i]:layout.offsets[i] + layout.shards[i]]
-            x = part.view(-1, whitening.in_features)
-            whitening.inverse(x, out=x)
-        return mine
-
-    def quantized_reduce_scatter(self, layout, rows, comm, divisor):
-        """Row k of rows (layout.ranks of them, fp32) quantized to comm's rank k, which sums the
-        decoded rows in fp32, in rank order: this rank's row of the sum, divided by divisor."""
-        seed = mix_seed(self.codec.seed, self.step, self.comm.rank, layout.key)
-        reduction = RowReduction(layout, self.codec, comm, self.residual(layout, rows.device),
-                                 seed)
-        mine = reduction.run(rows, divisor)
-        self._bounds += reduction.amax_bounds
-        self.telemetry.add(**reduction.counts)
-        return mine
-
-    def _replica_allreduce(self, layout, row, divisor):
-        """Hsdp's quantized hop: the node's row all-reduced across replicas (the module
-        docstring); small parameters in fp32."""
-        cross = self.topology.cross
-        coded = [i for i, tiny in enumerate(layout.small) if not tiny and layout.shards[i]]
-        small = [i for i, tiny in enumerate(layout.small) if tiny and layout.shards[i]]
-        flats = [_part(row, layout, i) for i in coded]
-        residual = self.residual(layout, row.device)
-        wide = None if residual is None else residual.to(torch.float32)
-        bucket = BucketLayout.of(tuple(f.numel() for f in flats), cross.size, self.codec.align)
-        # stage 2's error on the part this rank owns: fp32, for this step only
-        second = None if wide is None or not flats else torch.zeros(
-            bucket.owned[cross.rank], dtype=torch.float32, device=row.device)
-        reduction = BucketReduction(
-            "gift.fsdp.replicas", flats, self.codec, cross,
-            residual1=None if wide is None else [_part(wide, layout, i) for i in coded],
-            residual2=second, step=self.step, key=layout.key, divisor=divisor)
-        fp32 = None
-        if flats:
-            reduction.start()
-        if small:
-            fp32 = Fp32Reduction("gift.fsdp.replicas.fp32",
-                                 torch.cat([_part(row, layout, i) for i in small]), cross,
-                                 divisor).start()
-        if flats:
-            reduction.exchange().finish(over_inputs=True)
-            self._bounds += reduction.amax_bounds
-        if second is not None:    # r1[owned part] += divisor * e2: the sum was divided by it
-            fold_into([_part(wide, layout, i) for i in coded], second,
-                      bucket.pieces[cross.rank], divisor)
-        if residual is not None and wide is not residual:
-            residual.copy_(wide)
-        if fp32 is not None:
-            summed, offset = fp32.finish(), 0
-            for i in small:
-                _part(row, layout, i).copy_(summed[offset:offset + layout.shards[i]])
-                offset += layout.shards[i]
-            self.telemetry.add(bytes_sent=2 * 4 * fp32.chunk * (cross.size - 1))
-        coded_elements = sum(f.numel() for f in flats)
-        self.telemetry.add(elements=row.numel(), bytes_sent=reduction.bytes_sent,
-                           payload_bytes=self.codec.payload_bytes(coded_elements)
-                           if coded_elements else 0,
-                           wait_seconds=reduction.wait_seconds)
-        return row
+            seed = mix_seed(self.codec.seed, self.step, self.comm.rank, layout.key)
+            mine, bounds = quantized_reduce_scatter(layout, rows, self.codec, topology.across(),
+                                                    residual, seed, divisor, self.telemetry)
+        self._bounds += bounds
+        output.copy_(unwhiten_row(layout, mine, whitened))
 
     def residual(self, layout, device):
         return self.own.of(layout, device) if self.config.error_feedback else None
@@ -342,23 +275,3 @@ class FsdpGiftState(GiftStateBase):
         """GIFT's counters (GiftStateBase.stats) and the topology."""
         return dict(super().stats(), topology=self.topology.describe())
 
-
-def _part(flat, layout, i):
-    """Parameter i's part of one row (flat)."""
-    return flat[layout.offsets[i]:layout.offsets[i] + layout.shards[i]]
-
-
-def node_reduce_scatter(rows, node, telemetry):
-    """rows: (R L, shard) fp32, row m L + l bound for local rank l of node m. Returns this local
-    rank's R rows summed over the node's ranks in local-rank order, (R, shard) fp32: one fp32
-    alltoall inside the node."""
-    per_node = node.size
-    count, shard = rows.shape[0] // per_node, rows.shape[1]
-    send = rows.view(count, per_node, shard).transpose(0, 1).contiguous()
-    splits = torch.full((per_node,), count * shard, dtype=torch.int32, device="cpu")
-    (received, _), seconds = timed_wait(node.alltoall_async(send.view(-1), splits,
-                                                            "gift.fsdp.node"))
-    summed = received.view(per_node, count, shard).sum(0)
-    telemetry.add(node_bytes_sent=send.numel() * 4 * (per_node - 1) // per_node,
-                  wait_seconds=seconds)
-    return summed
