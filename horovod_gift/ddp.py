@@ -23,7 +23,7 @@ gradients locally: the hook runs on the synchronized backward only.
 """
 import weakref
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -86,9 +86,10 @@ class GiftState(GiftCore):
             raise RuntimeError("GiftState: call torch.distributed.init_process_group() before "
                                "creating GiftState(model, ...)")
         wrapped = isinstance(model, DistributedDataParallel)
-        module = model.module if wrapped else model
+        # nn.Module's __getattr__ types DDP's attributes as Tensor | Module
+        module = cast(torch.nn.Module, model.module) if wrapped else model
         if process_group is None and wrapped:
-            process_group = model.process_group
+            process_group = cast(dist.ProcessGroup, model.process_group)
         sparse = sparse_gradient_parameters(module)
         if sparse:
             raise ValueError(f"GiftState: {', '.join(sorted(sparse))} has sparse gradients, "

@@ -21,6 +21,8 @@ timings=()      # "seconds  suite", printed at the end: where make test's time g
 if [ "$which" = all ] || [ "$which" = unit ]; then
   echo "=== ruff check (pyflakes and pycodestyle at 100 columns; pyproject.toml) ==="
   .venv/bin/ruff check . || failed+=("ruff check")
+  echo "=== mypy (horovod_gift's annotations; pyproject.toml) ==="
+  .venv/bin/mypy || failed+=("mypy")
   echo "=== tests/ (single process) ==="
   # two workers of one thread each: most of the time is the Triton interpreter, one core each
   start=$SECONDS

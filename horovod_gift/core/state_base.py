@@ -80,7 +80,7 @@ class GiftStateBase:
     """label: the name errors and logs give this kind of state; CONFIG_ADDED: configuration
     keys a kind added after its first checkpoints, with the value those checkpoints meant."""
     label = "GIFT"
-    CONFIG_ADDED = {}
+    CONFIG_ADDED: dict[str, object] = {}
 
     def __init__(self, model, config, whitenable, comm):
         """config: the GiftConfig; whitenable: name -> weight of those the whitening may take;

@@ -54,7 +54,7 @@ class LinearLayout:
 
 
 # Classes registered by the user (and the built-ins below), by class.
-REGISTRY = {torch.nn.Linear: LinearLayout()}
+REGISTRY: dict[type[torch.nn.Module], LinearLayout] = {torch.nn.Linear: LinearLayout()}
 # Classes known by qualified name, so their library need not be imported.
 KNOWN_BY_NAME = {"transformers.pytorch_utils.Conv1D": LinearLayout(layout="in_out")}
 

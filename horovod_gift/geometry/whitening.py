@@ -35,7 +35,7 @@ import torch
 from .sketch import OVERSAMPLING, EmaStatistic, NystromSketch
 
 # The factors of the identity map: those of a layer before its first refresh.
-IDENTITY_FACTORS = {}
+IDENTITY_FACTORS: dict[str, torch.Tensor] = {}
 
 
 class InputWhitening:

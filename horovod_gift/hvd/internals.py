@@ -61,9 +61,9 @@ def describe_process_set(ps):
 
 
 # GIFT instances in use: an optimizer stepping their parameters must use one
-_LIVE = weakref.WeakSet()
-_WARNED = weakref.WeakSet()
-_GUARD = []
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+_WARNED: weakref.WeakSet = weakref.WeakSet()
+_GUARD: list = []
 
 
 def refuse_other_optimizers(gift, compressor_class):
