@@ -1,12 +1,14 @@
 """GIFT under FSDP2 across nodes (reduce/topology.py's TwoHop and Hsdp, fsdp/state.py): HSDP on a
 (replicas, shard) mesh, and two hops under 1-D FSDP, on gloo under torchrun as 2 nodes: 4 ranks as 2
 x 2, 8 as 2 x 4 (scripts/run_tests.sh runs this file at 4 and 8 ranks)."""
+import datetime
 import functools
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_checks import (check_non_finite_comes_back_nan, check_reduced_shards_close_to_fp32,
@@ -171,3 +173,32 @@ def test_the_private_fsdp_attributes_gift_reads():
     assert not group._is_hsdp      # FSDP's foreach_reduce then skips its all-reduce
     fsdp_internals.keep_reduction_across_replicas_in_fsdp(group)
     assert group._is_hsdp and group.post_forward_mesh_info is group.mesh_info
+
+
+def test_a_rank_that_hangs_under_hsdp_makes_every_rank_raise_naming_gifts_collective():
+    """HSDP on groups with a 6 s timeout (ranks share 2 cores in make test); rank 1 sleeps past
+    it between forward and backward (the parameters stay gathered, so backward's first
+    collective is GIFT's reduce-scatter in the shard group): every rank raises, its node peers in the shard group and the others in
+    the replica all-reduce, and each error names GIFT's collective and the rank."""
+    timeout = datetime.timedelta(seconds=6)
+    world, size = dist.get_world_size(), per_node()
+    layout = torch.arange(world).view(NODES, size)
+    # every rank makes every group, in the same order (torch.distributed's rule)
+    shard, _ = dist.new_subgroups_by_enumeration(layout.tolist(), timeout=timeout,
+                                                 backend="gloo")
+    replicate, _ = dist.new_subgroups_by_enumeration(layout.T.tolist(), timeout=timeout,
+                                                     backend="gloo")
+    mesh = DeviceMesh.from_group([replicate, shard], "cpu", mesh=layout,
+                                 mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = Net()
+    for layer in (model.up, model.down, model.head, model):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    attach(model, **OPTIONS)
+    train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), 2)
+    rank = dist.get_rank()
+    loss = loss_of(model, 2, rank)
+    if rank == 1:
+        time.sleep(2.5 * timeout.total_seconds())
+    with pytest.raises(RuntimeError, match=r"GIFT: collective '[^']+' on rank \d+ of \d+ failed"):
+        loss.backward()
