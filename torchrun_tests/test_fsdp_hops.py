@@ -178,8 +178,9 @@ def test_the_private_fsdp_attributes_gift_reads():
 def test_a_rank_that_hangs_under_hsdp_makes_every_rank_raise_naming_gifts_collective():
     """HSDP on groups with a 6 s timeout (ranks share 2 cores in make test); rank 1 sleeps past
     it between forward and backward (the parameters stay gathered, so backward's first
-    collective is GIFT's reduce-scatter in the shard group): every rank raises, its node peers in the shard group and the others in
-    the replica all-reduce, and each error names GIFT's collective and the rank."""
+    collective is GIFT's reduce-scatter in the shard group): every rank raises, its node peers
+    in the shard group and the others in the replica all-reduce, and each error names GIFT's
+    collective and the rank."""
     timeout = datetime.timedelta(seconds=6)
     world, size = dist.get_world_size(), per_node()
     layout = torch.arange(world).view(NODES, size)

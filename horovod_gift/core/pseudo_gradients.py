@@ -67,13 +67,13 @@ class PseudoGradientState:
         self.layout = None
         self._saved = None      # the residuals and layout before the sync in flight
 
-    def start(self, grads, topology, cross, participants, step, use_residuals=True):
-        """Start reducing grads (name -> pseudo-gradient, written over by finish()) over
-        topology (reduce.topology.Flat, or TwoHop whose nodes are replica groups); cross: the
-        communicator across replicas (the fp32 tensors'); participants: the replicas whose
-        pseudo-gradients are averaged (the others send zeros). use_residuals: False for a
-        replica that does not take part (zeros without its residuals). Returns the sync in
-        flight (PseudoGradientSync.finish)."""
+    def prepare(self, grads, topology, cross, participants, step, use_residuals=True):
+        """The sync of grads (name -> pseudo-gradient, written over by its finish()) over
+        topology (reduce.topology.Flat, or TwoHop whose nodes are replica groups), made but not
+        started (it has issued no collective); cross: the communicator across replicas (the
+        fp32 tensors'); participants: the replicas whose pseudo-gradients are averaged (the
+        others send zeros). use_residuals: False for a replica that does not take part (zeros
+        without its residuals)."""
         feedback = self.feedback if use_residuals else None
         # a two-hop reduction sums the L copies a replica group holds: its sum is L times over
         divisor = participants * (topology.comm.size // cross.size)
@@ -142,9 +142,10 @@ class PseudoGradientState:
 
 
 class PseudoGradientSync:
-    """One sync in flight: made by PseudoGradientState.start, which has issued every bucket's
-    first collective (the alltoall); finish() drives the rest, in the same order on every rank.
-    An error across replicas is kept, not raised, until finish() has run every collective inside
+    """One sync: made by PseudoGradientState.prepare (no collective issued: a rank that fails
+    here can tell its replica group before any of them has started), start() issues every
+    bucket's first collective, finish() drives the rest, in the same order on every rank. An
+    error across replicas is kept, not raised, until finish() has run every collective inside
     the replica group (errors)."""
 
     def __init__(self, state, grads, topology, cross, divisor, participants, step, feedback):
@@ -171,18 +172,25 @@ class PseudoGradientSync:
             reduction = topology.reduction(f"gift.diloco.b{k}", flats, codec, residual1,
                                            residual2, True, step, None,
                                            mix_seed(state.key, k), divisor)
-            self.reductions.append(self._started(reduction))
+            self.reductions.append(reduction)
         self.small = None
         if state.small:
             flat = torch.cat([grads[n].detach().reshape(-1).to(torch.float32)
                               for n in state.small])
-            self.small = self._started(Fp32Reduction("gift.diloco.fp32", flat, cross,
-                                                     participants))
+            self.small = Fp32Reduction("gift.diloco.fp32", flat, cross, participants)
         self.device = next(iter(grads.values())).device
         self.bytes_sent = 0
         # of those, what the quantized reductions sent across replicas (a two-hop reduction's
         # other bytes stay inside the replica group)
         self.cross_bytes = 0
+
+    def start(self):
+        """Issue every bucket's first collective (a reduction whose start raised is dropped,
+        its error kept); returns self."""
+        self.reductions = [self._started(r) for r in self.reductions]
+        if self.small is not None:
+            self.small = self._started(self.small)
+        return self
 
     def _started(self, reduction):
         """reduction.start(), or None where it raised (kept in errors)."""
@@ -205,8 +213,11 @@ class PseudoGradientSync:
     def _raise_errors(self):
         """This rank's first error, or, with two hops, the failure of a peer in the replica
         group: every rank of the group raises (none goes on to commit what a peer lacks)."""
-        failed = (failed_locals(self.node, bool(self.errors), self.device)
-                  if self.node is not None else [])
+        try:
+            failed = (failed_locals(self.node, bool(self.errors), self.device)
+                      if self.node is not None else [])
+        except Exception as error:
+            raise error from (self.errors[0] if self.errors else None)
         if self.errors:
             raise self.errors[0]
         if failed:
@@ -218,7 +229,8 @@ class PseudoGradientSync:
         same on every rank: the averages are)."""
         out = {}
         for names, reduction in zip(self.state.buckets, self.reductions):
-            finished = reduction and self._finished(reduction, over_inputs=True)
+            finished = None if reduction is None else self._finished(reduction,
+                                                                      over_inputs=True)
             if finished is None:
                 continue
             for name, u in zip(names, finished):
@@ -230,7 +242,7 @@ class PseudoGradientSync:
             if self.state.rotation is not None:
                 u = self.state.rotation.apply(u, inverse=True, out=u)
             g.copy_(u.view(g.shape))
-        flat = self.small and self._finished(self.small)
+        flat = None if self.small is None else self._finished(self.small)
         self._raise_errors()
         if flat is not None:
             n, chunk = self.small.comm.size, self.small.chunk

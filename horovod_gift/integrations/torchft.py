@@ -29,6 +29,8 @@ participants, and the same bits on every replica. torchft's rules stay:
 Two hops: when the ranks of a replica group hold the same parameters (DDP inside the group;
 `group=`: their process group, by default torch.distributed's default group), each rank sends
 1/L of the pseudo-gradient across replicas (reduce/two_hop.py, the replica group as the node).
+Give that group a longer timeout than the manager's: where a collective across replicas fails
+on one rank, its group peers wait for it inside the group while it waits out its own timeout.
 Under FSDP2 inside the group each rank's local shard is already 1/L: the reduction is flat.
 """
 from __future__ import annotations
@@ -67,7 +69,8 @@ SHARED_OPTIONS = (*numeric_options(), "bucket_elements", "hadamard_block", "topo
 class GiftDiLoCo(DiLoCo):
     """torchft's DiLoCo (same arguments) whose outer all-reduce is GIFT's. group: the process
     group of the ranks inside a replica group that hold identical parameters (two hops; None:
-    the default group when one is initialized); config / options: GiftConfig's fields, with
+    the default group when one is initialized; its timeout longer than the manager's);
+    config / options: GiftConfig's fields, with
     DiLoCo's defaults (GiftConfig.for_diloco)."""
 
     def __init__(self, manager: Manager, model_fragments: list[torch.nn.Module],
@@ -215,12 +218,11 @@ class FragmentSync:
         logger.info("GIFT: fragment %d heals from a peer: its residuals restart at zero",
                     self.index)
 
-    def _topology(self, cross):
-        if self.node is None:
+    def _topology(self, cross, node):
+        if node is None:
             return Flat(cross)
-        ranks = RankNumbering(cross.rank * self.node.size + self.node.rank,
-                              cross.size * self.node.size)
-        return TwoHop(ranks, self.node, cross)
+        ranks = RankNumbering(cross.rank * node.size + node.rank, cross.size * node.size)
+        return TwoHop(ranks, node, cross)
 
     def average(self):
         """prepare_sync()'s all-reduce: the first collectives of GIFT's reduction, and a work
@@ -229,43 +231,45 @@ class FragmentSync:
         works = internals.pending_works(self.fragment)
         device = next(iter(grads.values())).device
         errored, error = self.manager.errored(), None   # torchft skips collectives after one
-        if not errored:
-            try:
-                self.manager.wait_quorum()
+        # the replica group's communicator for this sync: none issued after one fails
+        node = None if self.node is None else StopAtFirstError(self.node)
+        try:
+            # errored or not, so that the group's ranks reach failed_locals together
+            self.manager.wait_quorum()
+            if not errored:
                 pg = internals.process_group(self.manager)
                 cross = StopAtFirstError(
                     ProcessGroupCommunicator(pg, internals.process_group_rank(pg)))
                 fingerprints = self._fingerprints(cross, device)
+                participating = self.manager.is_participating()
+                if not participating:
+                    for g in grads.values():
+                        g.zero_()
+                topology = self._topology(cross, node)
+                self.described = topology.describe()
+                sync = self.state.prepare(grads, topology, cross,
+                                          self.manager.num_participants(),
+                                          step=self.manager.current_step(),
+                                          use_residuals=participating)
+        except Exception as raised:
+            error = raised
+        if node is not None:
+            # two hops: the group agrees before any of its ranks starts, or a rank that cannot
+            # start would leave the others waiting in the group's collectives
+            try:
+                failed = failed_locals(node, errored or error is not None, device)
             except Exception as raised:
-                error = raised
-        # with two hops, a rank that cannot start leaves its group's collectives: none starts
-        failed = (failed_locals(self.node, errored or error is not None, device)
-                  if self.node is not None else [])
-        if error is None and failed and not errored:
-            error = RuntimeError(f"GIFT: the sync across replicas could not start on local "
-                                 f"rank(s) {failed} of this replica group")
-        if error is not None:   # torchft's rule: report, zero, go on
-            self._fail(error, grads)
+                error, failed = error or raised, []
+            if error is None and failed and not errored:
+                error = RuntimeError(f"GIFT: the sync across replicas could not start on local "
+                                     f"rank(s) {failed} of this replica group")
         if errored or error is not None:
+            if not errored:     # torchft's rule: report, zero, go on
+                self._fail(error, grads)
             works.append(_Done())
             return
         self._check_agreement(fingerprints)     # a misconfiguration raises on every replica
-        try:
-            participants = self.manager.num_participants()
-            participating = self.manager.is_participating()
-            if not participating:
-                for g in grads.values():
-                    g.zero_()
-            topology = self._topology(cross)
-            self.described = topology.describe()
-            sync = self.state.start(grads, topology, cross, participants,
-                                    step=self.manager.current_step(),
-                                    use_residuals=participating)
-        except Exception as error:
-            self._fail(error, grads)
-            works.append(_Done())
-            return
-        works.append(_GiftWork(self, sync, grads))
+        works.append(_GiftWork(self, sync.start(), grads))
 
     def _fingerprints(self, cross, device):
         """Every replica's fingerprint of its options and pseudo-gradients' sizes (one small

@@ -121,7 +121,7 @@ class _Watched(Handle):
         self.handle, self.owner = handle, owner
 
     def poll(self):
-        return self.handle.poll()
+        return self.owner.error is not None or self.handle.poll()
 
     def wait(self):
         if self.owner.error is not None:

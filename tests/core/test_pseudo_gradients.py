@@ -7,7 +7,7 @@ import torch
 from horovod_gift.config import GiftConfig
 from horovod_gift.core.pseudo_gradients import PseudoGradientState
 from horovod_gift.integrations.torchft import RankNumbering
-from horovod_gift.reduce.communicator import LocalGroup
+from horovod_gift.reduce.communicator import LocalGroup, StopAtFirstError
 from horovod_gift.reduce.topology import Flat, TwoHop
 
 import ranks
@@ -37,9 +37,9 @@ def flat_sync(states, grads, participants=None, participating=None, step=0):
     comms = LocalGroup(len(states), threads=True).communicators()
 
     def work(k):
-        sync = states[k].start(grads[k], Flat(comms[k]), comms[k],
-                               participants or len(states), step,
-                               use_residuals=participating is None or participating[k])
+        sync = states[k].prepare(grads[k], Flat(comms[k]), comms[k],
+                                 participants or len(states), step,
+                                 use_residuals=participating is None or participating[k]).start()
         return sync.finish(), sync
     return in_threads(len(states), work)
 
@@ -138,10 +138,45 @@ def two_hop_sync(groups, ranks_a_group, grads, config):
         g, local = divmod(k, ranks_a_group)
         node, cross = nodes[g][local], crosses[local][g]
         topology = TwoHop(RankNumbering(k, groups * ranks_a_group), node, cross)
-        sync = states[k].start(grads[k], topology, cross, groups, 0)
+        sync = states[k].prepare(grads[k], topology, cross, groups, 0).start()
         sync.finish()
         return sync
     return in_threads(groups * ranks_a_group, work)
+
+
+class FailsToSend(StopAtFirstError):
+    """A communicator whose every alltoall raises when issued (a lost link)."""
+
+    def alltoall_async(self, tensor, splits, name):
+        raise RuntimeError("alltoall failed: injected by the test")
+
+
+def test_a_failure_across_replicas_on_one_rank_fails_the_sync_on_every_rank_of_its_group():
+    """Local rank 1 of replica group 0 cannot send across replicas (its peer in group 1 then
+    times out): every rank of both groups raises from finish(), none waits for a peer that left
+    the sync, and each says why (its own error, or its group peer's local rank)."""
+    groups, per_group = 2, 2
+    # the group's timeout exceeds the one across replicas, as GiftDiLoCo asks: a group's ranks
+    # wait for a peer that waits out a collective across replicas
+    nodes = [LocalGroup(per_group, threads=True, timeout=20.0).communicators()
+             for _ in range(groups)]
+    crosses = [LocalGroup(groups, threads=True, timeout=1.0).communicators()
+               for _ in range(per_group)]
+    config = GiftConfig.for_diloco()
+
+    def work(k):
+        g, local = divmod(k, per_group)
+        node, cross = nodes[g][local], crosses[local][g]
+        if k == 1:
+            cross = FailsToSend(cross)
+        topology = TwoHop(RankNumbering(k, groups * per_group), node, cross)
+        state = PseudoGradientState(deltas(0), config)
+        state.prepare(deltas(g + 1), topology, cross, groups, 0).start().finish()
+    outcomes = ranks.in_threads(groups * per_group, work)
+    assert all(isinstance(o, Exception) for o in outcomes), outcomes
+    assert "injected by the test" in str(outcomes[1])
+    for k in (0, 2):      # the node peers of the failed ranks
+        assert "failed on local rank(s) [1]" in str(outcomes[k]), outcomes[k]
 
 
 def test_two_hops_send_one_share_of_the_replica_group_across_replicas():
