@@ -194,9 +194,11 @@ def report(args):
                 diffs, gap, pct = paired(results, arm, "fp32"), "-", "-"
                 if arm != "fp32" and diffs:
                     d, h = interval(diffs)
-                    gap = f"{d:+.4f} ({d - h:+.4f} .. {d + h:+.4f})"
-                    pct = f"{100 * d / base:+.2f} ({100 * (d - h) / base:+.2f} .. " \
-                          f"{100 * (d + h) / base:+.2f})"
+                    gap, pct = f"{d:+.4f} (1 seed: no interval)", f"{100 * d / base:+.2f}"
+                    if len(diffs) > 1:
+                        gap = f"{d:+.4f} ({d - h:+.4f} .. {d + h:+.4f})"
+                        pct = f"{100 * d / base:+.2f} ({100 * (d - h) / base:+.2f} .. " \
+                              f"{100 * (d + h) / base:+.2f})"
                     points.setdefault((corpus_dir.name, arm), []).append(
                         (n, 100 * d / base, 100 * h / base))
                 lines.append(f"| {arm} | {len(runs)} | {mean('final'):.4f} | {gap} | {pct} | "
