@@ -205,6 +205,8 @@ def report(args):
                              f"{mean('grad'):.2e} | {mean('bits'):.2f} | {mean('step'):.3f} | "
                              f"{mean('wall'):.0f} |")
             lines += ["", "Whitening + error feedback against neither (paired, 95 % CI):", ""]
+            if not any(paired(results, a, b) for a, b in GAINS):
+                lines.append("- not run at this width")
             for a, b in GAINS:
                 diffs = paired(results, a, b)
                 if diffs:
