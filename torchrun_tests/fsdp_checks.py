@@ -1,11 +1,15 @@
 """The checks test_fsdp.py (one hop) and test_fsdp_hops.py (across nodes) both make, each on
 models its own make(seed=..., **options) -> (model, optimizer, GIFT state or None) builds."""
 import io
+import time
 
+import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 
-from helpers import loss_of, train
+from helpers import Net, loss_of, train
+from horovod_gift.fsdp import attach
 
 
 def full(tensor):
@@ -71,3 +75,22 @@ def check_non_finite_comes_back_nan(make, options, poisoned_rank):
     opt.zero_grad()
     loss_of(model, 3, rank).backward()
     assert all(torch.isfinite(full(p.grad)).all() for p in model.parameters())
+
+
+def check_a_hung_rank_makes_every_rank_raise(mesh, timeout, options, match):
+    """A model fully_shard'ed on mesh (whose groups time out after timeout) with GIFT attached;
+    after 2 steps, rank 1 sleeps past the timeout between forward and backward (the parameters
+    stay gathered after forward, so backward's first collective is GIFT's reduce-scatter):
+    every rank's backward raises an error that matches match (GIFT's collective and rank)."""
+    torch.manual_seed(0)
+    model = Net()
+    for layer in (model.up, model.down, model.head, model):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    attach(model, **options)
+    train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), 2)
+    rank = dist.get_rank()
+    loss = loss_of(model, 2, rank)
+    if rank == 1:
+        time.sleep(2.5 * timeout.total_seconds())
+    with pytest.raises(RuntimeError, match=match):
+        loss.backward()

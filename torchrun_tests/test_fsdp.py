@@ -1,11 +1,11 @@
 """GIFT as FSDP2's reduce-scatter (horovod_gift.fsdp), on gloo under torchrun."""
 import datetime
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
 from fsdp_checks import (
+    check_a_hung_rank_makes_every_rank_raise,
     check_non_finite_comes_back_nan,
     check_reduced_shards_close_to_fp32,
     check_resume_is_bit_identical,
@@ -198,22 +198,10 @@ def test_training_with_8_bit_parameter_all_gathers_follows_fsdp_fp32():
 
 
 def test_a_rank_that_hangs_makes_every_rank_raise_naming_gifts_collective_and_rank():
-    """Rank 1 sleeps past the process group's timeout between forward and backward (the
-    parameters stay gathered after forward, so backward's first collective is GIFT's
-    reduce-scatter): every rank raises, and the error names GIFT's collective and the rank, not
-    only gloo's words."""
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))
-    torch.manual_seed(0)
-    model = Net()
-    mesh = DeviceMesh.from_group(group, "cpu")
-    for layer in (model.up, model.down, model.head, model):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
-    attach(model, **OPTIONS)
-    train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), 2)
-    rank = dist.get_rank()
-    loss = loss_of(model, 2, rank)
-    if rank == 1:
-        time.sleep(8)
-    with pytest.raises(RuntimeError, match=rf"GIFT: collective '[^']+' on rank {rank} of "
-                                           rf"{dist.get_world_size()} failed"):
-        loss.backward()
+    """Rank 1 sleeps past the process group's timeout before backward: every rank raises, and
+    the error names GIFT's collective and the rank, not only gloo's words."""
+    timeout = datetime.timedelta(seconds=3)
+    mesh = DeviceMesh.from_group(dist.new_group(backend="gloo", timeout=timeout), "cpu")
+    check_a_hung_rank_makes_every_rank_raise(
+        mesh, timeout, OPTIONS,
+        rf"GIFT: collective '[^']+' on rank {dist.get_rank()} of {dist.get_world_size()} failed")

@@ -3,7 +3,6 @@
 x 2, 8 as 2 x 4 (scripts/run_tests.sh runs this file at 4 and 8 ranks)."""
 import datetime
 import functools
-import time
 
 import pytest
 import torch
@@ -11,7 +10,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_checks import (check_non_finite_comes_back_nan, check_reduced_shards_close_to_fp32,
+from fsdp_checks import (check_a_hung_rank_makes_every_rank_raise,
+                         check_non_finite_comes_back_nan, check_reduced_shards_close_to_fp32,
                          check_resume_is_bit_identical, full)
 from helpers import Net, assert_identical_on_all_ranks, gathered, loss_of, train
 from horovod_gift.fsdp import internals as fsdp_internals
@@ -191,15 +191,5 @@ def test_a_rank_that_hangs_under_hsdp_makes_every_rank_raise_naming_gifts_collec
                                                      backend="gloo")
     mesh = DeviceMesh.from_group([replicate, shard], "cpu", mesh=layout,
                                  mesh_dim_names=("replicate", "shard"))
-    torch.manual_seed(0)
-    model = Net()
-    for layer in (model.up, model.down, model.head, model):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
-    attach(model, **OPTIONS)
-    train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), 2)
-    rank = dist.get_rank()
-    loss = loss_of(model, 2, rank)
-    if rank == 1:
-        time.sleep(2.5 * timeout.total_seconds())
-    with pytest.raises(RuntimeError, match=r"GIFT: collective '[^']+' on rank \d+ of \d+ failed"):
-        loss.backward()
+    check_a_hung_rank_makes_every_rank_raise(
+        mesh, timeout, OPTIONS, r"GIFT: collective '[^']+' on rank \d+ of \d+ failed")
