@@ -46,7 +46,7 @@ class QuantizedAllGather(AllGather):
         send = torch.empty(mine.row_bytes, dtype=torch.uint8, device=input_tensor.device)
         if len(mine.pieces.starts):
             self.codec.encode_pieces(input_tensor, None, mine.pieces, send, 0)
-        small = [i for i, tiny in enumerate(self.small) if tiny and self.shards[i]]
+        small = [i for i, is_small in enumerate(self.small) if is_small and self.shards[i]]
         for i in small:
             mine.columns(send.view(1, -1), i, 4 * self.shards[i]).view(torch.float32).copy_(
                 mine.columns(input_tensor.view(1, -1), i))

@@ -64,8 +64,8 @@ def quantized_reduce_scatter(layout, rows, codec, comm, residual, seed, divisor,
 def replica_allreduce(layout, row, divisor, codec, cross, residual, step, telemetry):
     """Hsdp's quantized hop: the node's row all-reduced across the replicas (cross), in place;
     small parameters in fp32. Returns (row, the encodes' magnitude bounds)."""
-    coded = [i for i, tiny in enumerate(layout.small) if not tiny and layout.shards[i]]
-    small = [i for i, tiny in enumerate(layout.small) if tiny and layout.shards[i]]
+    coded = [i for i, is_small in enumerate(layout.small) if not is_small and layout.shards[i]]
+    small = [i for i, is_small in enumerate(layout.small) if is_small and layout.shards[i]]
     flats = [_part(row, layout, i) for i in coded]
     wide = None if residual is None else residual.to(torch.float32)
     bucket = BucketLayout.of(tuple(f.numel() for f in flats), cross.size, codec.align)

@@ -58,11 +58,11 @@ class GroupLayout:
         self.names, self.shards, self.small, self.ranks = names, shards, small, ranks
         self.offsets = np.cumsum([0] + shards[:-1]).tolist()
         self.shard = sum(shards)
-        sizes = [4 * m if tiny else -(-codec.payload_bytes(m) // 4) * 4
-                 for m, tiny in zip(shards, small)]
+        sizes = [4 * m if is_small else -(-codec.payload_bytes(m) // 4) * 4
+                 for m, is_small in zip(shards, small)]
         self.byte_offsets = np.cumsum([0] + sizes[:-1]).tolist()
         self.row_bytes = sum(sizes)
-        coded = [i for i, tiny in enumerate(small) if not tiny and shards[i]]
+        coded = [i for i, is_small in enumerate(small) if not is_small and shards[i]]
         rows = np.arange(ranks, dtype=np.int64)[:, None]
         starts = rows * self.shard + np.array([self.offsets[i] for i in coded], np.int64)
         ends = starts + np.array([shards[i] for i in coded], np.int64)
