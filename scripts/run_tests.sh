@@ -100,11 +100,11 @@ if [ "$which" = all ] || [ "$which" = torch ]; then
 fi
 
 if [ "$which" = all ] || [ "$which" = robustness ]; then
-  # The fault campaign on 2 ranks of Horovod and of DDP (about 5 minutes);
-  # `python benchmarks/robustness.py` also runs 4 ranks, flat and as 2 nodes x 2.
-  echo "=== benchmarks/robustness.py --configs horovod:2,ddp:2 (bad input, rank disagreement, crashes; each case under a watchdog) ==="
+  # The fault campaign on 2 ranks of Horovod, DDP and FSDP2 (about 3 minutes);
+  # `python benchmarks/robustness.py` also runs 4 ranks, flat and as 2 nodes x 2, and HSDP.
+  echo "=== benchmarks/robustness.py --configs horovod:2,ddp:2,fsdp:2 (bad input, rank disagreement, crashes; each case under a watchdog) ==="
   start=$SECONDS
-  "$PY" benchmarks/robustness.py --configs horovod:2,ddp:2 || failed+=("robustness campaign")
+  "$PY" benchmarks/robustness.py --configs horovod:2,ddp:2,fsdp:2 || failed+=("robustness campaign")
   timings+=("$((SECONDS - start))s  robustness campaign")
 fi
 
