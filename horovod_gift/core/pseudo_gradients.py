@@ -237,13 +237,13 @@ class PseudoGradientSync:
                 out[name] = u
             self.bytes_sent += reduction.bytes_sent
             self.cross_bytes += reduction.bytes_sent - getattr(reduction, "node_bytes_sent", 0)
+        flat = None if self.small is None else self._finished(self.small)
+        self._raise_errors()    # before any write: a failed sync leaves grads to its caller
         for name, u in out.items():
             g = self.grads[name]
             if self.state.rotation is not None:
                 u = self.state.rotation.apply(u, inverse=True, out=u)
             g.copy_(u.view(g.shape))
-        flat = None if self.small is None else self._finished(self.small)
-        self._raise_errors()
         if flat is not None:
             n, chunk = self.small.comm.size, self.small.chunk
             self.bytes_sent += 2 * (n - 1) * chunk * 4     # its alltoall's and allgather's

@@ -45,8 +45,7 @@ def whiten_rows(layout, rows, whitened):
 def unwhiten_row(layout, mine, whitened):
     """The inverse of whiten_rows on this rank's reduced row, in place; returns it."""
     for i, whitening in whitened:
-        part = mine[layout.offsets[i]:layout.offsets[i] + layout.shards[i]]
-        x = part.view(-1, whitening.in_features)
+        x = _part(mine, layout, i).view(-1, whitening.in_features)
         whitening.inverse(x, out=x)
     return mine
 
