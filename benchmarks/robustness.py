@@ -22,6 +22,7 @@ A crash case per configuration checks that a rank raising mid-step ends the job 
 """
 
 import argparse
+import faulthandler
 import json
 import os
 import pathlib
@@ -49,6 +50,8 @@ WHITENED_BOUNDS = {"fp8_e4m3": 0.8, "fp8_e5m2": 1.7, "nvfp4": 2.5, "int3": 2.4}
 ODD_SIZES = [0, 1, 15, 17, (1 << 20) + 3]
 VERDICTS = ["ok", "silent corruption", "rank disagreement", "unexpected error", "hang"]
 CONFIGS = "horovod:2,horovod:4,horovod:4:2,ddp:2,ddp:4,ddp:4:2,fsdp:2,fsdp:4:2,hsdp:4:2"
+# characters of a failed job's log kept in its verdict: enough for every rank's stacks
+HANG_LOG = 6000
 TRANSFORMS = ("none", "hadamard", "whiten", "whiten+hadamard", "auto")
 
 
@@ -311,6 +314,10 @@ def worker(args):
     ENGINE = ENGINES[args.engine](args.node_size)
     CORPUS = read_corpus(max_bytes=200_000)
     out = pathlib.Path(args.out)
+    # every rank prints its threads' stacks into the job's log shortly before the watchdog would
+    # kill it: a hang says where it waits (re-armed at each case)
+    stacks_after = 0.9 * args.case_timeout
+    faulthandler.dump_traceback_later(stacks_after)
     if args.crash:
         crash_midway()
         return
@@ -320,6 +327,7 @@ def worker(args):
         if rank() == 0:  # written whole, then renamed: the watchdog never reads half a file
             (out / "progress.tmp").write_text(json.dumps({"index": index, "since": time.time()}))
             os.replace(out / "progress.tmp", out / "progress")
+        faulthandler.dump_traceback_later(stacks_after)
         try:
             outcome = run()
         except Exception as e:
@@ -369,7 +377,8 @@ def parse_config(text):
 def launch(config, out, extra, case_timeout):
     """Runs one job of config's engine; returns 'done', 'hang' (watchdog) or 'exit N'."""
     engine, np, node_size = parse_config(config)
-    worker = [__file__, "--worker", "--engine", engine, "--out", str(out), *extra]
+    worker = [__file__, "--worker", "--engine", engine, "--out", str(out),
+              "--case-timeout", str(case_timeout), *extra]
     if node_size is not None:
         worker += ["--node-size", str(node_size)]
     if engine == "horovod":
@@ -422,7 +431,7 @@ def run_config(config, case_timeout, only):
                     "category": category,
                     "case": name,
                     "verdict": verdict,
-                    "detail": status + ": " + (out / "job.log").read_text()[-300:],
+                    "detail": status + ": " + (out / "job.log").read_text()[-HANG_LOG:],
                 }
             )
             start = next_start + 1
@@ -444,7 +453,8 @@ def run_config(config, case_timeout, only):
                 "category": "a rank raises mid-step",
                 "case": "job ends non-zero",
                 "verdict": verdict,
-                "detail": f"{status} after {time.time() - t0:.0f} s",
+                "detail": f"{status} after {time.time() - t0:.0f} s"
+                + ("" if verdict == "ok" else ": " + log[-HANG_LOG:]),
             }
         )
     return rows
@@ -463,7 +473,7 @@ def summary(results):
                 + " | ".join(str(sum(r["verdict"] == v for r in mine)) for v in VERDICTS)
                 + " |"
             )
-    everything = [r for rows in results.values() for r in rows]
+    everything = [dict(r, config=config) for config, rows in results.items() for r in rows]
     count = {v: sum(r["verdict"] == v for r in everything) for v in VERDICTS}
     closing = (
         f"robustness: {len(everything)} cases tried, {count['hang']} hangs, "
@@ -509,11 +519,13 @@ def main():
     print(table)
     for r in everything:
         if r["verdict"] != "ok" or args.verbose:
-            print(f"  {r['verdict']}: {r['category']} / {r['case']}: {r['detail']}")
+            print(f"  {r['verdict']}: {r['config']}: {r['category']} / {r['case']}: "
+                  f"{r['detail']}")
     print(f"{closing} ({time.time() - t0:.0f} s)")
     if args.md:
         details = "\n".join(
-            f"| {config} | {r['category']} | {r['case']} | {r['verdict']} | {r['detail']} |"
+            f"| {config} | {r['category']} | {r['case']} | {r['verdict']} | "
+            + r["detail"].replace("\n", "<br>") + " |"
             for config, rows in results.items()
             for r in rows
         )
