@@ -96,10 +96,17 @@ def key(arm, *parts):
     return "-".join([arm.replace(" ", "_").replace("+", "p"), *map(str, parts)])
 
 
+def shape_tag(args):
+    """The model and cluster in a cached run's name (the first study's 2 layers and 2 replica
+    groups unnamed, so its runs stay reusable)."""
+    return (f"d{args.dim}" + (f"-l{args.layers}" if args.layers != 2 else "")
+            + (f"-r{args.replicas}" if args.replicas != 2 else ""))
+
+
 def loss_run(arm, seed, args):
     kind, h, _ = ARMS[arm]
     steps = args.steps if kind == "ddp" else args.diloco_steps
-    path = RUNS / "loss" / (key(arm, f"s{seed}", f"n{steps}", f"d{args.dim}") + ".json")
+    path = RUNS / "loss" / (key(arm, f"s{seed}", f"n{steps}", shape_tag(args)) + ".json")
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         results = launch(arm, seed, steps, 20 if kind == "ddp" else h, args, path, shaped=False)
@@ -110,7 +117,7 @@ def loss_run(arm, seed, args):
 def timed_run(arm, rate, args):
     kind, h, _ = ARMS[arm]
     cycle = 20 if kind == "ddp" else h
-    path = RUNS / "time" / (key(arm, rate, f"d{args.dim}") + ".json")
+    path = RUNS / "time" / (key(arm, rate, shape_tag(args)) + ".json")
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with net.Network(args.replicas, rate):

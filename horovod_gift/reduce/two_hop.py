@@ -214,7 +214,14 @@ class TwoHopReduction(Reduction):
             # no host sync on the step's path, and no pass over the bucket: where a peer failed,
             # the first element of every tensor comes back NaN, and the frontend's non-finite
             # rule applies (DiLoCo discards the outer step)
-            failed = (flags == 0).any()
-            for tensor in out:
-                tensor[:1].masked_fill_(failed, float("nan"))
+            nan_first_elements(out, (flags == 0).any())
         return out
+
+
+def nan_first_elements(tensors, failed):
+    """Where failed (a bool tensor of one element) is true, the first element of every tensor
+    becomes NaN; where it is false, every bit stays (x * 1 keeps -0, infinities and
+    subnormals). One foreach multiply, not a kernel a tensor, and nothing read on the host."""
+    firsts = [t[:1] for t in tensors if t.numel()]
+    if firsts:
+        torch._foreach_mul_(firsts, torch.where(failed, float("nan"), 1.0).to(firsts[0].dtype))

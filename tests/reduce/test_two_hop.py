@@ -14,7 +14,7 @@ from horovod_gift.reduce.feedback import ErrorFeedback
 from horovod_gift.reduce.pipeline import StagePipeline
 from horovod_gift.telemetry import Telemetry
 from horovod_gift.reduce.topology import Flat, TwoHop, owned_pieces, plan_nodes
-from horovod_gift.reduce.two_hop import TwoHopLayout
+from horovod_gift.reduce.two_hop import TwoHopLayout, nan_first_elements
 
 SIZES = (1000, 4096, 77, 3000)      # pieces that straddle node and cross chunk boundaries
 
@@ -261,3 +261,19 @@ def test_a_hop_across_nodes_that_fails_on_one_local_rank_raises_on_every_rank_of
         expected = ("was aborted" if k % node_size == 1
                     else r"failed on local rank\(s\) \[1\] of this node")
         assert re.search(expected, str(outcome)), (k, str(outcome))
+
+
+def test_a_failed_hop_marks_every_tensor_nan_in_one_op_and_an_ok_one_keeps_every_bit():
+    """The accelerator's path of a failed hop (no host read of the flags): the first element of
+    every tensor becomes NaN; with no failure every bit stays, -0, infinities and subnormals
+    included."""
+    tensors = [torch.tensor([-0.0, 1.0]), torch.tensor([float("inf"), -2.5]), torch.empty(0),
+               torch.tensor([1e-40, 3.0])]
+    before = [t.clone() for t in tensors]
+    nan_first_elements(tensors, torch.tensor(False))
+    for got, was in zip(tensors, before):
+        assert torch.equal(got.view(torch.int32), was.view(torch.int32))
+    nan_first_elements(tensors, torch.tensor(True))
+    for got, was in zip(tensors, before):
+        if was.numel():
+            assert got[0].isnan() and torch.equal(got[1:], was[1:])
