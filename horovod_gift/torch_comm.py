@@ -28,9 +28,6 @@ class TorchHandle(Handle):
     wait(): NCCL keeps an async op's tensors only until then, so on CUDA both are marked as used
     by the stream that waited (the engine's work is ordered before that stream's later work)."""
 
-    # the collective and this rank, in the words of an error (Communicator.named sets it)
-    what = "a collective"
-
     def __init__(self, work, result, home=None, sent=None):
         self.work, self.result, self.home, self.sent = work, result, home, sent
         self._done = False
@@ -60,16 +57,7 @@ def _to(value, device):
     return value.to(device)
 
 
-class _Named(Communicator):
-    """A communicator whose handles name their collective and rank in the errors they raise
-    (a bare gloo or NCCL timeout names neither)."""
-
-    def _named(self, handle, name):
-        handle.what = f"collective {name!r} on rank {self.rank} of {self.size}"
-        return handle
-
-
-class TorchCommunicator(_Named):
+class TorchCommunicator(Communicator):
     """The ranks of a torch.distributed process group (the default group with None). Host
     tensors (GIFT's metadata) travel through `device` (the gradients': one GPU a rank; by
     default the current one) when the backend has no CPU support (NCCL)."""
@@ -99,7 +87,7 @@ class TorchCommunicator(_Named):
         work = dist.all_to_all_single(received, tensor, [mine] * self.size, sizes,
                                       group=self.group, async_op=True)
         counts = torch.full((self.size,), mine, dtype=torch.int32, device="cpu")
-        return self._named(_AlltoallHandle(work, received, counts, home, tensor), name)
+        return self.named(_AlltoallHandle(work, received, counts, home, tensor), name)
 
     def allgather_async(self, tensor, name):
         tensor, home = self._placed(tensor)
@@ -107,22 +95,22 @@ class TorchCommunicator(_Named):
                           device=tensor.device)
         sent = tensor.contiguous()
         work = ALL_GATHER(out, sent, group=self.group, async_op=True)
-        return self._named(TorchHandle(work, out, home, sent), name)
+        return self.named(TorchHandle(work, out, home, sent), name)
 
     def allreduce_async(self, tensor, op, name):
         out, home = self._placed(tensor.clone())
         work = dist.all_reduce(out, op=TORCH_OPS[op], group=self.group, async_op=True)
-        return self._named(TorchHandle(work, out, home), name)
+        return self.named(TorchHandle(work, out, home), name)
 
     def broadcast_async_(self, tensor, root, name):
         placed, home = self._placed(tensor)
         work = dist.broadcast(placed, src=dist.get_global_rank(self.group, root),
                               group=self.group, async_op=True)
-        return self._named(_BroadcastHandle(work, placed, tensor) if home is not None
+        return self.named(_BroadcastHandle(work, placed, tensor) if home is not None
                            else TorchHandle(work, tensor), name)
 
 
-class ProcessGroupCommunicator(_Named):
+class ProcessGroupCommunicator(Communicator):
     """The Communicator of a ProcessGroup object called directly, for groups that
     torch.distributed does not know by name (torchft's, reconfigured at each quorum). rank: this
     process's rank in it (torchft's wrappers do not report it). Tensors stay where they are:
@@ -138,24 +126,24 @@ class ProcessGroupCommunicator(_Named):
         work = self.pg.alltoall_base(received, tensor, [mine] * self.size, sizes,
                                      AllToAllOptions())
         counts = torch.full((self.size,), mine, dtype=torch.int32, device="cpu")
-        return self._named(_AlltoallHandle(work, received, counts, None, tensor), name)
+        return self.named(_AlltoallHandle(work, received, counts, None, tensor), name)
 
     def allgather_async(self, tensor, name):
         sent = tensor.contiguous()
         out = torch.empty((self.size * sent.shape[0], *sent.shape[1:]), dtype=sent.dtype,
                           device=sent.device)
         work = self.pg.allgather([list(out.chunk(self.size))], [sent], AllgatherOptions())
-        return self._named(TorchHandle(work, out, None, sent), name)
+        return self.named(TorchHandle(work, out, None, sent), name)
 
     def allreduce_async(self, tensor, op, name):
         out, opts = tensor.clone(), AllreduceOptions()
         opts.reduceOp = TORCH_OPS[op]
-        return self._named(TorchHandle(self.pg.allreduce([out], opts), out), name)
+        return self.named(TorchHandle(self.pg.allreduce([out], opts), out), name)
 
     def broadcast_async_(self, tensor, root, name):
         opts = BroadcastOptions()
         opts.rootRank = root
-        return self._named(TorchHandle(self.pg.broadcast([tensor], opts), tensor), name)
+        return self.named(TorchHandle(self.pg.broadcast([tensor], opts), tensor), name)
 
 
 class _AlltoallHandle(TorchHandle):

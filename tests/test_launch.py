@@ -2,6 +2,7 @@
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -304,6 +305,49 @@ def test_a_hung_collective_ends_the_job_at_the_per_test_timeout(tmp_path):
     assert "Timeout" in output and "test_ranks_wait_for_different_collectives" in output, output[
         -2000:
     ]
+
+
+def test_a_stalled_rank_makes_every_rank_raise_naming_gifts_collective_and_rank(tmp_path):
+    """Rank 1 stops sending for 12 s before step 2's backward; with Horovod's stall shutdown
+    (README: In production) rank 0 raises within seconds, and rank 1 when it comes back, each
+    naming GIFT's collective and its rank, not only Horovod's shutdown text."""
+    script = tmp_path / "stall.py"
+    script.write_text(
+        "import os, pathlib, sys, time\n"
+        "os.environ.update(HOROVOD_STALL_CHECK_TIME_SECONDS='1',\n"
+        "                  HOROVOD_STALL_SHUTDOWN_TIME_SECONDS='3')\n"
+        "import torch, horovod.torch as hvd, horovod_gift as gift\n"
+        "hvd.init()\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(),\n"
+        "                            torch.nn.Linear(32, 32))\n"
+        "opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),\n"
+        "    named_parameters=model.named_parameters(),\n"
+        "    compression=gift.GIFT(model, verbose=False))\n"
+        f"out = pathlib.Path({str(tmp_path)!r})\n"
+        "try:\n"
+        "    for step in range(4):\n"
+        "        if step == 2:\n"
+        "            stalled = time.monotonic()\n"
+        "            if hvd.rank() == 1:\n"
+        "                time.sleep(12)\n"
+        "        opt.zero_grad()\n"
+        "        model(torch.randn(8, 32)).square().mean().backward()\n"
+        "        opt.step()\n"
+        "    outcome = 'finished'\n"
+        "except Exception as e:\n"
+        "    outcome = f'{time.monotonic() - stalled:.1f} {type(e).__name__}: {e}'\n"
+        "(out / f'rank{hvd.rank()}.txt').write_text(outcome)\n"
+        "while not (out / 'rank1.txt').exists():     # rank 0 stays until rank 1 has spoken\n"
+        "    time.sleep(0.2)\n"
+    )
+    mpirun(2, str(script), timeout=180)
+    for rank in (0, 1):
+        outcome = (tmp_path / f"rank{rank}.txt").read_text()
+        assert re.search(rf"HorovodInternalError: GIFT: collective 'gift\.[^']+' on rank {rank} "
+                         r"of 2 failed: Horovod has been shut down", outcome), outcome
+    seconds = float((tmp_path / "rank0.txt").read_text().split()[0])
+    assert seconds < 10, f"rank 0 raised {seconds} s into the stall, not at the stall shutdown"
 
 
 def test_no_step_leaves_its_gradients_alive_in_a_cycle(tmp_path):

@@ -8,6 +8,7 @@ from typing import Optional
 
 import horovod.torch as hvd
 import torch
+from horovod.common.exceptions import HorovodInternalError
 
 from ..codec.tensor_codec import Codec
 from ..reduce.collective import BucketReduction, name_key
@@ -30,9 +31,18 @@ class HorovodHandle(Handle):
     def poll(self):
         return self._done or hvd.poll(self.handle)
 
+    def failure(self, error):
+        """Horovod's error (a peer raised, or stalled past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS),
+        naming the collective: still Horovod's type, which hvd.elastic catches to restore."""
+        return HorovodInternalError(f"GIFT: {self.what} failed: {error}")
+
     def wait(self):
         if not self._done:
-            self._result, self._done = hvd.synchronize(self.handle), True
+            try:
+                self._result = hvd.synchronize(self.handle)
+            except HorovodInternalError as error:
+                raise self.failure(error) from error
+            self._done = True
             first = self._result[0] if isinstance(self._result, tuple) else self._result
             if ASYNC_COMPLETION and first.is_cuda:
                 current = torch.cuda.current_stream(first.device)
@@ -55,21 +65,27 @@ class HorovodCommunicator(Communicator):
     def rank(self):
         return self.process_set.rank()
 
+    def _issue(self, start, tensor, name, **options):
+        handle = self.named(HorovodHandle(None), name)
+        try:
+            handle.handle = start(tensor, name=name, process_set=self.process_set, **options)
+        except HorovodInternalError as error:   # Horovod was shut down before this one
+            raise handle.failure(error) from error
+        return handle
+
     def alltoall_async(self, tensor, splits, name):
-        return HorovodHandle(hvd.alltoall_async(tensor, splits=splits, name=name,
-                                                process_set=self.process_set))
+        return self._issue(hvd.alltoall_async, tensor, name, splits=splits)
 
     def allgather_async(self, tensor, name):
-        return HorovodHandle(hvd.allgather_async(tensor, name=name, process_set=self.process_set))
+        return self._issue(hvd.allgather_async, tensor, name)
 
     def allreduce_async(self, tensor, op, name):
-        return HorovodHandle(hvd.allreduce_async(tensor, op=HOROVOD_OPS[op], name=name,
-                                                 process_set=self.process_set))
+        return self._issue(hvd.allreduce_async, tensor, name, op=HOROVOD_OPS[op])
 
     def broadcast_async_(self, tensor, root, name):
         ranks = self.process_set.ranks
-        return HorovodHandle(hvd.broadcast_async_(tensor, root_rank=ranks[root] if ranks else root,
-                                                  name=name, process_set=self.process_set))
+        return self._issue(hvd.broadcast_async_, tensor, name,
+                           root_rank=ranks[root] if ranks else root)
 
 
 def allreduce(tensor: torch.Tensor, name: str, format: str = "fp8_e4m3", op: Optional[int] = None,

@@ -20,7 +20,10 @@ import torch
 
 
 class Handle(ABC):
-    """An operation in flight."""
+    """An operation in flight. what: the collective and this rank in the words of an error
+    (Communicator.named sets it: an engine's bare timeout or shutdown names neither)."""
+
+    what = "a collective"
 
     @abstractmethod
     def poll(self):
@@ -69,6 +72,11 @@ class Communicator(ABC):
 
     def allreduce(self, tensor, op, name):
         return self.allreduce_async(tensor, op, name).wait()
+
+    def named(self, handle, name):
+        """handle, its errors naming the collective and this rank."""
+        handle.what = f"collective {name!r} on rank {self.rank} of {self.size}"
+        return handle
 
     def allgather_object(self, obj, name):
         """Every rank's picklable obj, in rank order: sizes first, then the bytes padded to the
