@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 NP ?= 2
 
-.PHONY: setup test test-unit test-mpi test-torch test-robustness demo clean
+.PHONY: setup test test-unit test-mpi test-torch test-robustness test-faults demo clean
 
 setup:
 	@bash scripts/setup.sh
@@ -21,6 +21,9 @@ test-torch: setup
 
 test-robustness: setup
 	@bash scripts/run_tests.sh robustness
+
+test-faults: setup
+	@bash scripts/run_tests.sh faults
 
 demo: setup
 	@bash scripts/demo.sh
