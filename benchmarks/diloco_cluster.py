@@ -61,18 +61,19 @@ def launch(arm, seed, steps, eval_every, args, out, shaped):
     server, address = lighthouse(net.BRIDGE_ADDRESS if shaped else "127.0.0.1", args.replicas)
     procs = []
     try:
-        for k in range(args.replicas):
+        for k, local in ((k, j) for k in range(args.replicas) for j in range(args.group_size)):
             here = net.address(k) if shaped else "127.0.0.1"
             command = [sys.executable, str(ROOT / "benchmarks" / "diloco_worker.py"),
                        "--arm", arm, "--replica", str(k), "--replicas", str(args.replicas),
+                       "--group-size", str(args.group_size), "--local", str(local),
                        "--address", here, "--peer", net.address(0) if shaped else here,
                        "--lighthouse", address, "--seed", str(seed), "--steps", str(steps),
                        "--eval-every", str(eval_every), "--dim", str(args.dim),
                        "--layers", str(args.layers), "--out", f"{out}.{k}"]
-            if shaped:
+            if shaped:      # a group's ranks share its namespace: one link a group
                 command = ["ip", "netns", "exec", net.namespace(k), *command]
             env = dict(os.environ, GLOO_SOCKET_IFNAME=net.IFNAME if shaped else "lo")
-            log = open(f"{out}.{k}.log", "w")
+            log = open(f"{out}.{k}.log" if local == 0 else f"{out}.{k}.{local}.log", "w")
             procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                           env=env, cwd=ROOT))
         deadline = time.monotonic() + args.run_timeout
@@ -100,7 +101,8 @@ def shape_tag(args):
     """The model and cluster in a cached run's name (the first study's 2 layers and 2 replica
     groups unnamed, so its runs stay reusable)."""
     return (f"d{args.dim}" + (f"-l{args.layers}" if args.layers != 2 else "")
-            + (f"-r{args.replicas}" if args.replicas != 2 else ""))
+            + (f"-r{args.replicas}" if args.replicas != 2 else "")
+            + (f"-g{args.group_size}" if args.group_size != 1 else ""))
 
 
 def loss_run(arm, seed, args):
@@ -176,8 +178,9 @@ def report(losses, timing, target, args, wall):
              + shlex.join(sys.argv[1:]) + f"` ({wall / 60:.0f} min on 2 cores)", "",
              *kept_reading(args.out),
              f"Example Llama dim {args.dim}, {args.layers} layers, {args.replicas} replica "
-             "groups of one rank, each in its own network namespace with one link shaped both "
-             f"ways; AdamW lr 3e-3, 16 x 128 bytes a replica a step; DDP {args.steps} steps, "
+             f"groups of {args.group_size} rank(s), each group in its own network namespace "
+             "(DDP inside it over the namespace's loopback) with one link shaped both "
+             f"ways; AdamW lr 3e-3, 16 x 128 bytes a rank a step; DDP {args.steps} steps, "
              f"DiLoCo arms {args.diloco_steps} inner steps; seeds {seeds}. Target: DDP fp32's "
              f"held-out loss at step {args.target_step}, median over seeds: {target:.4f}. How the "
              "two measurements combine, and why: the docstring of benchmarks/diloco_cluster.py.",
@@ -255,6 +258,8 @@ def main():
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     p.add_argument("--rates", nargs="+", default=["10mbit", "100mbit"])
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--group-size", type=int, default=1,
+                   help="ranks a replica group (DDP inside it, in one namespace)")
     p.add_argument("--steps", type=int, default=400, help="DDP's steps")
     p.add_argument("--diloco-steps", type=int, default=1000)
     p.add_argument("--target-step", type=int, default=200,

@@ -33,6 +33,9 @@ from examples.data import ByteBatches, read_corpus  # noqa: E402
 from examples.model import Llama, LlamaConfig  # noqa: E402
 
 DDP_PORT = 29531
+# a replica group of several ranks (--group-size): its process group and its manager's store, one
+# port apart per group (unshaped, every group is on 127.0.0.1)
+GROUP_PORT, GROUP_STORE_PORT = 29541, 29561
 # arm -> (engine, H, options): engine "ddp" (options: GIFT's, None plain), "diloco" (None:
 # torchft's fp32 DiLoCo, else GiftDiLoCo's options) or "streaming" (GiftDiLoCo, two fragments)
 FP8_STAND_IN = dict(format="fp8_e4m3", transform="none", error_feedback=False)
@@ -59,7 +62,7 @@ class Replica:
         self.model = Llama(LlamaConfig(dim=args.dim, n_layers=args.layers,
                                        max_seq_len=args.seq_len))
         self.data = ByteBatches(read_corpus(), args.seq_len, args.batch_size, seed=args.seed,
-                                rank=args.replica)
+                                rank=args.replica * args.group_size + args.local)
         self.inner = torch.optim.AdamW(self.model.parameters(), lr=args.lr)
         self.kind, self.sync_every, self.options = ARMS[args.arm]
         self.engine = self.manager = self.store = None
@@ -71,8 +74,10 @@ class Replica:
 
     def _ddp(self):
         from torch.nn.parallel import DistributedDataParallel
-        dist.init_process_group("gloo", init_method=f"tcp://{self.args.peer}:{DDP_PORT}",
-                                rank=self.args.replica, world_size=self.args.replicas,
+        args = self.args
+        dist.init_process_group("gloo", init_method=f"tcp://{args.peer}:{DDP_PORT}",
+                                rank=args.replica * args.group_size + args.local,
+                                world_size=args.replicas * args.group_size,
                                 timeout=timedelta(seconds=600))
         self.train_model = DistributedDataParallel(self.model)
         if self.options is not None:
@@ -88,15 +93,25 @@ class Replica:
 
         from horovod_gift.integrations.torchft import GiftDiLoCo
         args = self.args
-        self.store = TCPStore(args.address, 0, is_master=True, wait_for_workers=False)
         timeout = timedelta(seconds=600)
+        group = {}
+        if args.group_size > 1:
+            # DDP inside the group, over its own loopback; GIFT's two hops across groups
+            from torch.nn.parallel import DistributedDataParallel
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://{args.address}:{GROUP_PORT + args.replica}",
+                rank=args.local, world_size=args.group_size, timeout=timeout)
+            self.train_model = DistributedDataParallel(self.model)
+            group = dict(group=dist.group.WORLD)
+        self.store = TCPStore(args.address, GROUP_STORE_PORT + args.replica if args.group_size > 1
+                              else 0, is_master=args.local == 0, wait_for_workers=False)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), min_replica_size=args.replicas,
             load_state_dict=self.model.load_state_dict, state_dict=self.model.state_dict,
             replica_id=str(args.replica), store_addr=args.address, store_port=self.store.port,
-            hostname=args.address, rank=0, world_size=1, lighthouse_addr=args.lighthouse,
-            port=0, timeout=timeout, quorum_timeout=timeout, use_async_quorum=False,
-            init_sync=False)
+            hostname=args.address, rank=args.local, world_size=args.group_size,
+            lighthouse_addr=args.lighthouse, port=0, timeout=timeout, quorum_timeout=timeout,
+            use_async_quorum=False, init_sync=False)
         m = self.model
         if self.kind == "streaming":
             half = len(m.blocks) // 2       # lm_head shares embed's weight: it is in the first
@@ -112,7 +127,7 @@ class Replica:
             self.engine = DiLoCo(self.manager, fragments, self.inner, outer, self.sync_every)
         else:
             self.engine = GiftDiLoCo(self.manager, fragments, self.inner, outer,
-                                     self.sync_every, **extra, **self.options)
+                                     self.sync_every, **extra, **group, **self.options)
 
     def global_weights(self):
         """(parameter, the replicas' agreed value) pairs: DiLoCo's last synchronized weights."""
@@ -153,7 +168,7 @@ class Replica:
                 clock += seconds
                 rows.append(dict(step=step, seconds=seconds,
                                  sent=interface_bytes(args.interface) - sent))
-                if args.eval_every and step % args.eval_every == 0:
+                if args.eval_every and step % args.eval_every == 0 and args.local == 0:
                     evals.append(dict(step=step, clock=clock, heldout=self.heldout()))
         return dict(arm=args.arm, seed=args.seed, replica=args.replica, rows=rows, evals=evals,
                     parameters=sum(p.numel() for p in self.model.parameters()))
@@ -170,6 +185,8 @@ def main():
     p.add_argument("--arm", required=True, choices=list(ARMS))
     p.add_argument("--replica", type=int, required=True)
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--group-size", type=int, default=1, help="ranks a replica group")
+    p.add_argument("--local", type=int, default=0, help="this rank's place in its group")
     p.add_argument("--address", default="127.0.0.1", help="this replica's address")
     p.add_argument("--peer", default="127.0.0.1", help="replica 0's address (DDP)")
     p.add_argument("--lighthouse", default=None)
@@ -191,7 +208,8 @@ def main():
         result = replica.run()
     finally:
         replica.close()
-    args.out.write_text(json.dumps(result))
+    if args.local == 0:     # the group's one report (its link's bytes are the namespace's)
+        args.out.write_text(json.dumps(result))
     # DDP's replica 0, which hosted the TCPStore, was seen to hang in the interpreter's exit on
     # gloo's threads after its peer left: its result is written, so it leaves at once
     os._exit(0)
