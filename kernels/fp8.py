@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 
 from .rounding import (E4M3, E5M2, EXACT_ARITHMETIC, FloatFormat, blocks_torch, decode_float,
-                       encode_float, encode_float_torch, is_nonfinite, uniform_hash,
-                       uniform_hash_torch)
+                       encode_float, encode_float_torch, is_nonfinite, tensor_scale_torch,
+                       uniform_hash, uniform_hash_torch)
 
 NAN_BITS = tl.constexpr(0x7FC00000)
 FORMATS = {"fp8_e4m3": E4M3, "fp8_e5m2": E5M2}
@@ -156,12 +156,6 @@ def fp8_decode_triton(codes, scales, fmt: FloatFormat, block_size, out=None):
 
 
 # ---------------------------------------------------------------- torch references (the CPU path)
-def tensor_scale_torch(amax, fmax):
-    """fp32 scale amax / fmax; NaN when amax is not finite."""
-    amax = amax.to(torch.float32)
-    return torch.where(torch.isfinite(amax), amax / fmax, torch.full_like(amax, float("nan")))
-
-
 def fp8_encode_torch(x, fmt: FloatFormat, block_size, tensor_scale=None, seed=0, stochastic=False):
     n = x.numel()
     if block_size is None:
@@ -169,7 +163,7 @@ def fp8_encode_torch(x, fmt: FloatFormat, block_size, tensor_scale=None, seed=0,
     else:
         blocks = blocks_torch(x, block_size)
         amax = blocks.abs().amax(dim=1)   # NaN or inf exactly where the block is not finite
-        scales = torch.where(torch.isfinite(amax), amax / fmt.max, float("nan"))
+        scales = tensor_scale_torch(amax, fmt.max)
     s = scales[:, None]
     usable = (s > 0) & (s < float("inf"))
     v = torch.where(usable, blocks / torch.where(usable, s, 1.0), 0.0)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import (FORMATS, fp8_decode_tile, fp8_decode_torch, fp8_encode_torch, fp8_quantize_tile,
-                  tensor_scale_torch, tile_shape)
+                  tile_shape)
 from .hadamard import LANES, hadamard_tile, hadamard_torch, normalizer, random_signs
 from .int3 import BLOCK as INT3_BLOCK
 from .int3 import (int3_decode_tile, int3_decode_torch, int3_quantize_blocks_torch,
@@ -24,7 +24,7 @@ from .nvfp4 import BLOCK as NVFP4_BLOCK
 from .nvfp4 import (nvfp4_decode_tile, nvfp4_decode_torch, nvfp4_quantize_blocks_torch,
                     nvfp4_quantize_tile, nvfp4_tensor_scale_torch, nvfp4_values_torch,
                     pack_codes_torch, pack_nibbles, unpack_codes_torch)
-from .rounding import EXACT_ARITHMETIC, blocks_torch, is_nonfinite
+from .rounding import EXACT_ARITHMETIC, blocks_torch, is_nonfinite, tensor_scale_torch
 
 
 @triton.jit

@@ -15,11 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import FORMATS, fp8_quantize_tile, tensor_scale_torch
+from .fp8 import FORMATS, fp8_quantize_tile
 from .fused import SCALED, quant_block
 from .int3 import int3_decode_tile, int3_quantize_tile, int3_store_codes
 from .nvfp4 import nvfp4_decode_tile, nvfp4_quantize_tile, pack_nibbles
-from .rounding import EXACT_ARITHMETIC, decode_float, is_nonfinite
+from .rounding import EXACT_ARITHMETIC, decode_float, is_nonfinite, tensor_scale_torch
 
 TILE = 4096     # elements a program covers (rotate_feedback_quantize_triton's without rotation)
 

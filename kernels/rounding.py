@@ -121,8 +121,9 @@ def blocks_torch(x, block_size):
 
 
 def tensor_scale_torch(amax, divisor):
-    """A block format's fp32 tensor scale, amax / divisor (its grid maximum times E4M3's 448);
-    NaN for a non-finite amax, so the whole tensor decodes to NaN."""
+    """The fp32 scale amax / divisor (FP8: the format's largest value; NVFP4 and INT3, a tensor
+    scale: the grid maximum times E4M3's 448); NaN for a non-finite amax, so all it scales
+    decodes to NaN."""
     amax = amax.to(torch.float32)
     nan = torch.full_like(amax, float("nan"))
     return torch.where(torch.isfinite(amax), amax / divisor, nan)
