@@ -18,12 +18,12 @@ from .rounding import (
     RNE_MAGIC,
     blocks_torch,
     decode_float,
-    e4m3_block_denominators,
     encode_float,
     tensor_scale_torch,
     uniform_hash,
     uniform_hash_torch,
 )
+from .two_level import two_level_scale_torch, two_level_values_torch
 
 BLOCK = 32
 LEVELS = 3
@@ -163,13 +163,7 @@ def int3_tensor_scale_torch(amax):
 def int3_quantize_blocks_torch(blocks, block_amax, tensor_scale, seed=0, stochastic=False):
     """Codes (uint8, flat), scale codes and dequantized values (blocks' shape) of (blocks, 32)
     rows whose amax per row the caller has, as nvfp4_quantize_blocks_torch."""
-    tensor_scale = tensor_scale.to(torch.float32).reshape(())
-    t_usable = (tensor_scale > 0) & (tensor_scale < float("inf"))
-    ratio = torch.where(t_usable, block_amax / (tensor_scale * float(LEVELS)), 0.0)
-    scale_codes = ratio.clamp_max(E4M3.max).to(torch.float8_e4m3fn).view(torch.uint8)
-    denom = e4m3_block_denominators(scale_codes, tensor_scale)
-    # dividing by inf gives the kernel's zeros for unusable blocks with no full-size mask
-    v = blocks / torch.where((denom > 0) & (denom < float("inf")), denom, float("inf"))[:, None]
+    scale_codes, denom, v = two_level_scale_torch(blocks, block_amax, tensor_scale, float(LEVELS))
     a = v.abs()
     a = torch.where(a < 3.0, a, torch.where(a >= 3.0, 3.0, 0.0))   # NaN compares false both ways
     if stochastic:
@@ -192,14 +186,15 @@ def int3_codes_torch(x, tensor_scale, seed=0, stochastic=False):
     return codes, scale_codes
 
 
+def int3_levels_torch(codes):
+    """The signed levels (fp32) of codes (int32): |level| with the sign in bit 2."""
+    level = (codes & 3).to(torch.float32)
+    return torch.where(codes >= 4, -level, level)
+
+
 def int3_values_torch(codes, scale_codes, tensor_scale):
     """fp32 values of unpacked codes (uint8; padded or cut to the blocks of scale_codes)."""
-    codes = codes.to(torch.int32)
-    if codes.numel() != scale_codes.numel() * BLOCK:
-        codes = torch.nn.functional.pad(codes, (0, scale_codes.numel() * BLOCK - codes.numel()))
-    denom = e4m3_block_denominators(scale_codes, tensor_scale.to(torch.float32).reshape(()))
-    level = (codes & 3).to(torch.float32)
-    return (torch.where(codes >= 4, -level, level).view(-1, BLOCK) * denom[:, None]).reshape(-1)
+    return two_level_values_torch(codes, scale_codes, tensor_scale, BLOCK, int3_levels_torch)
 
 
 # Packing sees 8 codes as one little-endian int64 word (a code a byte) and moves them together

@@ -17,7 +17,6 @@ from .rounding import (
     blocks_torch,
     decode_e2m1_torch,
     decode_float,
-    e4m3_block_denominators,
     encode_float,
     encode_float_torch,
     round_e2m1_nearest_torch,
@@ -25,6 +24,7 @@ from .rounding import (
     uniform_hash,
     uniform_hash_torch,
 )
+from .two_level import two_level_scale_torch, two_level_values_torch
 
 BLOCK = 16
 # The kernels spell the two formats out as (ebits, mbits, bias, max) literals: E4M3 = (4, 3, 7,
@@ -159,13 +159,7 @@ def nvfp4_quantize_blocks_torch(blocks, block_amax, tensor_scale, seed=0, stocha
     whose amax per row the caller has (it also gives the tensor's amax: one pass over the data for
     both). The values come with the codes, not from them: no second pass over data, codes,
     scales."""
-    tensor_scale = tensor_scale.to(torch.float32).reshape(())
-    t_usable = (tensor_scale > 0) & (tensor_scale < float("inf"))
-    ratio = torch.where(t_usable, block_amax / (tensor_scale * 6.0), 0.0)
-    scale_codes = ratio.clamp_max(E4M3.max).to(torch.float8_e4m3fn).view(torch.uint8)
-    denom = e4m3_block_denominators(scale_codes, tensor_scale)
-    # dividing by inf gives the kernel's zeros for unusable blocks with no full-size mask
-    v = blocks / torch.where((denom > 0) & (denom < float("inf")), denom, float("inf"))[:, None]
+    scale_codes, denom, v = two_level_scale_torch(blocks, block_amax, tensor_scale, E2M1.max)
     if stochastic:
         v = torch.nan_to_num(v, nan=0.0)     # non-finite only where the tensor scale is unusable
         noise = uniform_hash_torch(seed, torch.arange(v.numel(), device=blocks.device)).view_as(v)
@@ -178,11 +172,7 @@ def nvfp4_quantize_blocks_torch(blocks, block_amax, tensor_scale, seed=0, stocha
 
 def nvfp4_values_torch(codes, scale_codes, tensor_scale):
     """fp32 values of unpacked codes (uint8; padded or cut to the blocks of scale_codes)."""
-    codes = codes.to(torch.int32)     # uint8 compares are slow in Inductor's CPU code
-    if codes.numel() != scale_codes.numel() * BLOCK:
-        codes = torch.nn.functional.pad(codes, (0, scale_codes.numel() * BLOCK - codes.numel()))
-    denom = e4m3_block_denominators(scale_codes, tensor_scale.to(torch.float32).reshape(()))
-    return (decode_e2m1_torch(codes).view(-1, BLOCK) * denom[:, None]).reshape(-1)
+    return two_level_values_torch(codes, scale_codes, tensor_scale, BLOCK, decode_e2m1_torch)
 
 
 # Packing works on 8 codes at once, seen as one little-endian int64 word (x86 and ARM alike):

@@ -129,11 +129,6 @@ def tensor_scale_torch(amax, divisor):
     return torch.where(torch.isfinite(amax), amax / divisor, nan)
 
 
-def e4m3_block_denominators(scale_codes, tensor_scale):
-    """What each block's values are multiplied by: its E4M3 scale code times the tensor scale."""
-    return scale_codes.view(torch.float8_e4m3fn).to(torch.float32) * tensor_scale
-
-
 def pow2_torch(e):
     return ((e + 127) << 23).to(torch.int32).view(torch.float32)
 

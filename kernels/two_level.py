@@ -1,0 +1,42 @@
+"""NVFP4's two-level scaling, which INT3 shares: the pieces both formats' kernels and references
+run alike.
+
+    s_t = amax(tensor) / (GRID_MAX * 448)             one fp32 per tensor (given by the caller)
+    s_b = E4M3(amax(block) / (GRID_MAX * s_t))        one E4M3 code per block
+    v   = x / (s_b * s_t), rounded to the format's grid [-GRID_MAX, GRID_MAX] (E2M1's 6, INT3's 3)
+A block whose denominator s_b * s_t is 0 or not finite (a non-finite tensor scale makes every
+one NaN) scales to zeros (torch divides it by inf, which leaves a NaN a NaN). Here: the scaling
+of (blocks, block) rows and the values of their codes (torch).
+"""
+import torch
+
+from .rounding import E4M3
+
+
+def e4m3_block_denominators(scale_codes, tensor_scale):
+    """What each block's values are multiplied by: its E4M3 scale code times the tensor scale."""
+    return scale_codes.view(torch.float8_e4m3fn).to(torch.float32) * tensor_scale
+
+
+def two_level_scale_torch(blocks, block_amax, tensor_scale, grid_max):
+    """The twin of two_level_scale for (blocks, block) rows whose amax per row the caller has:
+    returns the rows' E4M3 scale codes (uint8), their denominators and the rows divided by
+    them."""
+    tensor_scale = tensor_scale.to(torch.float32).reshape(())
+    t_usable = (tensor_scale > 0) & (tensor_scale < float("inf"))
+    ratio = torch.where(t_usable, block_amax / (tensor_scale * grid_max), 0.0)
+    scale_codes = ratio.clamp_max(E4M3.max).to(torch.float8_e4m3fn).view(torch.uint8)
+    denom = e4m3_block_denominators(scale_codes, tensor_scale)
+    # dividing by inf gives the kernel's zeros for unusable blocks with no full-size mask
+    v = blocks / torch.where((denom > 0) & (denom < float("inf")), denom, float("inf"))[:, None]
+    return scale_codes, denom, v
+
+
+def two_level_values_torch(codes, scale_codes, tensor_scale, block, grid_values):
+    """fp32 values of unpacked codes (uint8; padded or cut to the blocks of scale_codes): the
+    grid_values of the codes (as int32) times their block's denominator."""
+    codes = codes.to(torch.int32)     # uint8 compares are slow in Inductor's CPU code
+    if codes.numel() != scale_codes.numel() * block:
+        codes = torch.nn.functional.pad(codes, (0, scale_codes.numel() * block - codes.numel()))
+    denom = e4m3_block_denominators(scale_codes, tensor_scale.to(torch.float32).reshape(()))
+    return (grid_values(codes).view(-1, block) * denom[:, None]).reshape(-1)
