@@ -17,13 +17,12 @@ from .rounding import (
     EXACT_ARITHMETIC,
     RNE_MAGIC,
     blocks_torch,
-    decode_float,
-    encode_float,
     tensor_scale_torch,
     uniform_hash,
     uniform_hash_torch,
 )
-from .two_level import two_level_scale_torch, two_level_values_torch
+from .two_level import (two_level_denominators, two_level_scale, two_level_scale_torch,
+                        two_level_values_torch)
 
 BLOCK = 32
 LEVELS = 3
@@ -38,13 +37,7 @@ def packed_bytes(n):
 @triton.jit
 def int3_quantize_tile(y, offs, tensor_scale, seed, STOCHASTIC: tl.constexpr):
     """Quantize a (ROWS, 32) tile: returns codes, E4M3 scale codes and the dequantized tile."""
-    amax = tl.max(tl.abs(y), axis=1)
-    t_usable = (tensor_scale > 0) & (tensor_scale < float("inf"))
-    ratio = tl.where(t_usable, tl.math.div_rn(amax, tl.zeros_like(amax) + tensor_scale * 3.0), 0.0)
-    scale_codes = encode_float(ratio, ratio, 4, 3, 7, 448.0, False)   # E4M3
-    denom = decode_float(scale_codes, 4, 3, 7) * tensor_scale      # E4M3
-    usable = (denom > 0) & (denom < float("inf"))
-    v = tl.where(usable[:, None], tl.math.div_rn(y, tl.where(usable, denom, 1.0)[:, None]), 0.0)
+    scale_codes, denom, v = two_level_scale(y, tensor_scale, 3.0)
     a = tl.minimum(tl.abs(v), 3.0)     # v is finite: the NaN rules of tl.minimum do not arise
     if STOCHASTIC:
         whole = tl.floor(a)
@@ -90,8 +83,7 @@ def int3_decode_tile(
         words = words | (tl.load(packed_ptr + groups * 3 + k, mask=mask, other=0).to(tl.int32)
                          << (8 * k))
     codes = tl.reshape((words[:, None] >> (3 * tl.arange(0, 8))[None, :]) & 7, (ROWS, 32))
-    scale_codes = tl.load(scale_codes_ptr + rows, mask=rows * 32 < n, other=0)
-    denom = decode_float(scale_codes, 4, 3, 7) * tensor_scale   # E4M3
+    denom = two_level_denominators(scale_codes_ptr, tensor_scale, rows, n, 32)
     level = (codes & 3).to(tl.float32)
     return tl.where(codes >= 4, -level, level) * denom[:, None]
 

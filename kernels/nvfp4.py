@@ -24,26 +24,21 @@ from .rounding import (
     uniform_hash,
     uniform_hash_torch,
 )
-from .two_level import two_level_scale_torch, two_level_values_torch
+from .two_level import (two_level_denominators, two_level_scale, two_level_scale_torch,
+                        two_level_values_torch)
 
 BLOCK = 16
 # The kernels spell the two formats out as (ebits, mbits, bias, max) literals: E4M3 = (4, 3, 7,
-# 448.0) for the block scales, E2M1 = (2, 1, 1, 6.0) for the elements. Module-level tl.constexpr
-# globals compile, but the interpreter (how CI runs the kernels) passes them to helpers as
-# constexpr objects that int32 arithmetic rejects.
+# 448.0) for the block scales (in two_level.py), E2M1 = (2, 1, 1, 6.0) for the elements.
+# Module-level tl.constexpr globals compile, but the interpreter (how CI runs the kernels) passes
+# them to helpers as constexpr objects that int32 arithmetic rejects.
 TENSOR_SCALE_DIVISOR = E2M1.max * E4M3.max   # 2688
 
 
 @triton.jit
 def nvfp4_quantize_tile(y, offs, tensor_scale, seed, STOCHASTIC: tl.constexpr):
     """Quantize a (ROWS, 16) tile: returns E2M1 codes, E4M3 scale codes and the dequantized tile."""
-    amax = tl.max(tl.abs(y), axis=1)
-    t_usable = (tensor_scale > 0) & (tensor_scale < float("inf"))
-    ratio = tl.where(t_usable, tl.math.div_rn(amax, tl.zeros_like(amax) + tensor_scale * 6.0), 0.0)
-    scale_codes = encode_float(ratio, ratio, 4, 3, 7, 448.0, False)   # E4M3
-    denom = decode_float(scale_codes, 4, 3, 7) * tensor_scale      # E4M3
-    usable = (denom > 0) & (denom < float("inf"))
-    v = tl.where(usable[:, None], tl.math.div_rn(y, tl.where(usable, denom, 1.0)[:, None]), 0.0)
+    scale_codes, denom, v = two_level_scale(y, tensor_scale, 6.0)
     if STOCHASTIC:
         noise = uniform_hash(seed, offs)
     else:
@@ -97,8 +92,7 @@ def nvfp4_decode_tile(
 ):
     byte_offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
     packed = tl.load(packed_ptr + byte_offs, mask=byte_offs * 2 < n, other=0)
-    scale_codes = tl.load(scale_codes_ptr + rows, mask=rows * 16 < n, other=0)
-    denom = decode_float(scale_codes, 4, 3, 7) * tensor_scale   # E4M3
+    denom = two_level_denominators(scale_codes_ptr, tensor_scale, rows, n, 16)
     return decode_float(unpack_nibbles(packed, ROWS), 2, 1, 1) * denom[:, None]   # E2M1
 
 

@@ -6,13 +6,41 @@ run alike.
     v   = x / (s_b * s_t), rounded to the format's grid [-GRID_MAX, GRID_MAX] (E2M1's 6, INT3's 3)
 A block whose denominator s_b * s_t is 0 or not finite (a non-finite tensor scale makes every
 one NaN) scales to zeros (torch divides it by inf, which leaves a NaN a NaN). Here: the scaling
-of (blocks, block) rows and the values of their codes (torch).
+of a tile (Triton) or of (blocks, block) rows (torch), and the decoders' side: the blocks'
+denominators (Triton) and the values of codes (torch).
 """
 import torch
+import triton
+import triton.language as tl
 
-from .rounding import E4M3
+from .rounding import E4M3, decode_float, encode_float
 
 
+# ---------------------------------------------------------------- Triton
+@triton.jit
+def two_level_scale(y, tensor_scale, GRID_MAX: tl.constexpr):
+    """Scales a (ROWS, BLOCK) tile, a block a row: returns the rows' E4M3 scale codes, their
+    denominators and the tile divided by them."""
+    amax = tl.max(tl.abs(y), axis=1)
+    t_usable = (tensor_scale > 0) & (tensor_scale < float("inf"))
+    ratio = tl.where(t_usable,
+                     tl.math.div_rn(amax, tl.zeros_like(amax) + tensor_scale * GRID_MAX), 0.0)
+    scale_codes = encode_float(ratio, ratio, 4, 3, 7, 448.0, False)   # E4M3
+    denom = decode_float(scale_codes, 4, 3, 7) * tensor_scale      # E4M3
+    usable = (denom > 0) & (denom < float("inf"))
+    v = tl.where(usable[:, None], tl.math.div_rn(y, tl.where(usable, denom, 1.0)[:, None]), 0.0)
+    return scale_codes, denom, v
+
+
+@triton.jit
+def two_level_denominators(scale_codes_ptr, tensor_scale, rows, n, BLOCK: tl.constexpr):
+    """The denominators of the blocks rows (of n elements): their E4M3 scale codes' values times
+    the tensor scale."""
+    scale_codes = tl.load(scale_codes_ptr + rows, mask=rows * BLOCK < n, other=0)
+    return decode_float(scale_codes, 4, 3, 7) * tensor_scale   # E4M3
+
+
+# ---------------------------------------------------------------- torch
 def e4m3_block_denominators(scale_codes, tensor_scale):
     """What each block's values are multiplied by: its E4M3 scale code times the tensor scale."""
     return scale_codes.view(torch.float8_e4m3fn).to(torch.float32) * tensor_scale
