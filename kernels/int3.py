@@ -14,15 +14,14 @@ import triton.language as tl
 
 from .rounding import (
     E4M3,
-    EXACT_ARITHMETIC,
     RNE_MAGIC,
     blocks_torch,
     tensor_scale_torch,
     uniform_hash,
     uniform_hash_torch,
 )
-from .two_level import (two_level_denominators, two_level_scale, two_level_scale_torch,
-                        two_level_values_torch)
+from .two_level import (two_level_decode_triton, two_level_denominators, two_level_encode_triton,
+                        two_level_scale, two_level_scale_torch, two_level_values_torch)
 
 BLOCK = 32
 LEVELS = 3
@@ -128,23 +127,13 @@ ROWS_PER_PROGRAM = 128
 
 
 def int3_encode_triton(x, tensor_scale, seed=0, stochastic=False):
-    n = x.numel()
-    packed = torch.empty(packed_bytes(n), dtype=torch.uint8, device=x.device)
-    scale_codes = torch.empty(triton.cdiv(n, BLOCK), dtype=torch.uint8, device=x.device)
-    if n:
-        grid = (triton.cdiv(n, BLOCK * ROWS_PER_PROGRAM),)
-        int3_encode_kernel[grid](x, packed, scale_codes, tensor_scale, n, seed, **EXACT_ARITHMETIC,
-                                 ROWS=ROWS_PER_PROGRAM, STOCHASTIC=stochastic)
-    return packed, scale_codes
+    return two_level_encode_triton(int3_encode_kernel, x, packed_bytes(x.numel()), BLOCK,
+                                   ROWS_PER_PROGRAM, tensor_scale, seed, stochastic)
 
 
 def int3_decode_triton(packed, scale_codes, tensor_scale, n, out=None):
-    out = torch.empty(n, dtype=torch.float32, device=packed.device) if out is None else out
-    if n:
-        grid = (triton.cdiv(n, BLOCK * ROWS_PER_PROGRAM),)
-        int3_decode_kernel[grid](packed, scale_codes, tensor_scale, out, n, **EXACT_ARITHMETIC,
-                                 ROWS=ROWS_PER_PROGRAM)
-    return out
+    return two_level_decode_triton(int3_decode_kernel, packed, scale_codes, tensor_scale, n, out,
+                                   BLOCK, ROWS_PER_PROGRAM)
 
 
 # ---------------------------------------------------------------- torch references (the CPU path)

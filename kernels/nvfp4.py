@@ -13,7 +13,6 @@ import triton.language as tl
 from .rounding import (
     E2M1,
     E4M3,
-    EXACT_ARITHMETIC,
     blocks_torch,
     decode_e2m1_torch,
     decode_float,
@@ -24,8 +23,8 @@ from .rounding import (
     uniform_hash,
     uniform_hash_torch,
 )
-from .two_level import (two_level_denominators, two_level_scale, two_level_scale_torch,
-                        two_level_values_torch)
+from .two_level import (two_level_decode_triton, two_level_denominators, two_level_encode_triton,
+                        two_level_scale, two_level_scale_torch, two_level_values_torch)
 
 BLOCK = 16
 # The kernels spell the two formats out as (ebits, mbits, bias, max) literals: E4M3 = (4, 3, 7,
@@ -116,23 +115,13 @@ ROWS_PER_PROGRAM = 256
 
 
 def nvfp4_encode_triton(x, tensor_scale, seed=0, stochastic=False):
-    n = x.numel()
-    packed = torch.empty((n + 1) // 2, dtype=torch.uint8, device=x.device)
-    scale_codes = torch.empty(triton.cdiv(n, BLOCK), dtype=torch.uint8, device=x.device)
-    if n:
-        grid = (triton.cdiv(n, BLOCK * ROWS_PER_PROGRAM),)
-        nvfp4_encode_kernel[grid](x, packed, scale_codes, tensor_scale, n, seed, **EXACT_ARITHMETIC,
-                                  ROWS=ROWS_PER_PROGRAM, STOCHASTIC=stochastic)
-    return packed, scale_codes
+    return two_level_encode_triton(nvfp4_encode_kernel, x, (x.numel() + 1) // 2, BLOCK,
+                                   ROWS_PER_PROGRAM, tensor_scale, seed, stochastic)
 
 
 def nvfp4_decode_triton(packed, scale_codes, tensor_scale, n, out=None):
-    out = torch.empty(n, dtype=torch.float32, device=packed.device) if out is None else out
-    if n:
-        grid = (triton.cdiv(n, BLOCK * ROWS_PER_PROGRAM),)
-        nvfp4_decode_kernel[grid](packed, scale_codes, tensor_scale, out, n, **EXACT_ARITHMETIC,
-                                  ROWS=ROWS_PER_PROGRAM)
-    return out
+    return two_level_decode_triton(nvfp4_decode_kernel, packed, scale_codes, tensor_scale, n, out,
+                                   BLOCK, ROWS_PER_PROGRAM)
 
 
 # ---------------------------------------------------------------- torch references (the CPU path)

@@ -6,14 +6,15 @@ run alike.
     v   = x / (s_b * s_t), rounded to the format's grid [-GRID_MAX, GRID_MAX] (E2M1's 6, INT3's 3)
 A block whose denominator s_b * s_t is 0 or not finite (a non-finite tensor scale makes every
 one NaN) scales to zeros (torch divides it by inf, which leaves a NaN a NaN). Here: the scaling
-of a tile (Triton) or of (blocks, block) rows (torch), and the decoders' side: the blocks'
-denominators (Triton) and the values of codes (torch).
+of a tile (Triton) or of (blocks, block) rows (torch), the decoders' side (the blocks'
+denominators in Triton, the values of codes in torch), and the launches of the two formats'
+encode and decode kernels, which take the same arguments.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .rounding import E4M3, decode_float, encode_float
+from .rounding import E4M3, EXACT_ARITHMETIC, decode_float, encode_float
 
 
 # ---------------------------------------------------------------- Triton
@@ -38,6 +39,29 @@ def two_level_denominators(scale_codes_ptr, tensor_scale, rows, n, BLOCK: tl.con
     the tensor scale."""
     scale_codes = tl.load(scale_codes_ptr + rows, mask=rows * BLOCK < n, other=0)
     return decode_float(scale_codes, 4, 3, 7) * tensor_scale   # E4M3
+
+
+def two_level_encode_triton(kernel, x, packed_bytes, block, rows, tensor_scale, seed, stochastic):
+    """kernel (an encode kernel, with nvfp4_encode_kernel's arguments) on flat fp32 x, rows blocks
+    a program: packed codes (packed_bytes of them) and one E4M3 scale code per block."""
+    n = x.numel()
+    packed = torch.empty(packed_bytes, dtype=torch.uint8, device=x.device)
+    scale_codes = torch.empty(triton.cdiv(n, block), dtype=torch.uint8, device=x.device)
+    if n:
+        grid = (triton.cdiv(n, block * rows),)
+        kernel[grid](x, packed, scale_codes, tensor_scale, n, seed, **EXACT_ARITHMETIC, ROWS=rows,
+                     STOCHASTIC=stochastic)
+    return packed, scale_codes
+
+
+def two_level_decode_triton(kernel, packed, scale_codes, tensor_scale, n, out, block, rows):
+    """kernel (a decode kernel, with nvfp4_decode_kernel's arguments), rows blocks a program: n
+    decoded fp32 values, into out if it is not None."""
+    out = torch.empty(n, dtype=torch.float32, device=packed.device) if out is None else out
+    if n:
+        grid = (triton.cdiv(n, block * rows),)
+        kernel[grid](packed, scale_codes, tensor_scale, out, n, **EXACT_ARITHMETIC, ROWS=rows)
+    return out
 
 
 # ---------------------------------------------------------------- torch
