@@ -18,13 +18,22 @@ from .fp8 import (FORMATS, fp8_decode_tile, fp8_decode_torch, fp8_encode_torch, 
 from .hadamard import LANES, hadamard_tile, hadamard_torch, normalizer, random_signs
 from .int3 import BLOCK as INT3_BLOCK
 from .int3 import (int3_decode_tile, int3_decode_torch, int3_quantize_blocks_torch,
-                   int3_quantize_tile, int3_store_codes, int3_tensor_scale_torch, int3_values_torch,
+                   int3_quantize_tile, int3_store_tile, int3_tensor_scale_torch, int3_values_torch,
                    pack_int3_torch, packed_bytes, unpack_int3_torch)
 from .nvfp4 import BLOCK as NVFP4_BLOCK
 from .nvfp4 import (nvfp4_decode_tile, nvfp4_decode_torch, nvfp4_quantize_blocks_torch,
-                    nvfp4_quantize_tile, nvfp4_tensor_scale_torch, nvfp4_values_torch,
-                    pack_codes_torch, pack_nibbles, unpack_codes_torch)
+                    nvfp4_quantize_tile, nvfp4_store_tile, nvfp4_tensor_scale_torch,
+                    nvfp4_values_torch, pack_codes_torch, unpack_codes_torch)
 from .rounding import EXACT_ARITHMETIC, blocks_torch, is_nonfinite, tensor_scale_torch
+
+
+@triton.jit
+def amax_or_inf(y):
+    """The largest |value| of a 2D tile (an AMAX_ONLY pass's partial amax), inf where a value is
+    not finite."""
+    amax = tl.max(tl.max(tl.abs(y), axis=1), axis=0)
+    bad = tl.max(tl.max(is_nonfinite(y).to(tl.int32), axis=1), axis=0)
+    return tl.where(bad > 0, float("inf"), amax)
 
 
 @triton.jit
@@ -66,9 +75,7 @@ def rotate_feedback_quantize_kernel(
     if FEEDBACK:
         y = y + tl.load(residual_ptr + offs, mask=mask, other=0.0)
     if AMAX_ONLY:
-        amax = tl.max(tl.max(tl.abs(y), axis=1), axis=0)
-        bad = tl.max(tl.max(is_nonfinite(y).to(tl.int32), axis=1), axis=0)
-        tl.store(amax_ptr + pid, tl.where(bad > 0, float("inf"), amax))
+        tl.store(amax_ptr + pid, amax_or_inf(y))
     else:
         QROWS: tl.constexpr = ROWS * HB * LANES // QBLOCK
         qrows = pid * QROWS + tl.arange(0, QROWS)
@@ -76,14 +83,11 @@ def rotate_feedback_quantize_kernel(
         if NVFP4:
             codes, scale_codes, dequantized = nvfp4_quantize_tile(
                 tl.reshape(y, (QROWS, QBLOCK)), qoffs, tl.load(tensor_scale_ptr), seed, STOCHASTIC)
-            byte_offs = qrows[:, None] * 8 + tl.arange(0, 8)[None, :]
-            tl.store(codes_ptr + byte_offs, pack_nibbles(codes, QROWS), mask=byte_offs * 2 < n)
-            tl.store(scales_ptr + qrows, scale_codes.to(tl.uint8), mask=qrows * 16 < n)
+            nvfp4_store_tile(codes_ptr, scales_ptr, codes, scale_codes, qrows, n, QROWS)
         elif INT3:
             codes, scale_codes, dequantized = int3_quantize_tile(
                 tl.reshape(y, (QROWS, QBLOCK)), qoffs, tl.load(tensor_scale_ptr), seed, STOCHASTIC)
-            int3_store_codes(codes_ptr, codes, qrows, n, QROWS)
-            tl.store(scales_ptr + qrows, scale_codes.to(tl.uint8), mask=qrows * 32 < n)
+            int3_store_tile(codes_ptr, scales_ptr, codes, scale_codes, qrows, n, QROWS)
         else:
             tensor_scale = tl.load(tensor_scale_ptr) if PER_TENSOR else 0.0
             codes, scale, dequantized = fp8_quantize_tile(

@@ -55,15 +55,17 @@ def int3_groups(rows, ROWS: tl.constexpr):
 
 
 @triton.jit
-def int3_store_codes(packed_ptr, codes, rows, n, ROWS: tl.constexpr):
-    """Packs the codes of a (ROWS, 32) tile of the blocks rows, 8 into 3 bytes, into packed_ptr
-    (a group's bytes are whole words: a store per byte of each)."""
+def int3_store_tile(packed_ptr, scale_codes_ptr, codes, scale_codes, rows, n, ROWS: tl.constexpr):
+    """Stores a quantized (ROWS, 32) tile of the blocks rows: its codes packed 8 into 3 bytes
+    into packed_ptr (a group's bytes are whole words: a store per byte of each), its E4M3 scale
+    codes into scale_codes_ptr."""
     groups = int3_groups(rows, ROWS)
     # the codes' bits do not overlap: their sum is their bitwise or
     words = tl.sum(tl.reshape(codes, (ROWS * 4, 8)) << (3 * tl.arange(0, 8))[None, :], axis=1)
     for k in tl.static_range(3):
         tl.store(packed_ptr + groups * 3 + k, ((words >> (8 * k)) & 0xFF).to(tl.uint8),
                  mask=groups * 8 < n)
+    tl.store(scale_codes_ptr + rows, scale_codes.to(tl.uint8), mask=rows * 32 < n)
 
 
 @triton.jit
@@ -103,8 +105,7 @@ def int3_encode_kernel(
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
     codes, scale_codes, _ = int3_quantize_tile(x, offs, tl.load(tensor_scale_ptr), seed,
                                                STOCHASTIC)
-    int3_store_codes(packed_ptr, codes, rows, n, ROWS)
-    tl.store(scale_codes_ptr + rows, scale_codes.to(tl.uint8), mask=rows * 32 < n)
+    int3_store_tile(packed_ptr, scale_codes_ptr, codes, scale_codes, rows, n, ROWS)
 
 
 @triton.jit

@@ -54,6 +54,15 @@ def pack_nibbles(codes, ROWS: tl.constexpr):
 
 
 @triton.jit
+def nvfp4_store_tile(packed_ptr, scale_codes_ptr, codes, scale_codes, rows, n, ROWS: tl.constexpr):
+    """Stores a quantized (ROWS, 16) tile of the blocks rows: its E2M1 codes two a byte into
+    packed_ptr, its E4M3 scale codes into scale_codes_ptr."""
+    byte_offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
+    tl.store(packed_ptr + byte_offs, pack_nibbles(codes, ROWS), mask=byte_offs * 2 < n)
+    tl.store(scale_codes_ptr + rows, scale_codes.to(tl.uint8), mask=rows * 16 < n)
+
+
+@triton.jit
 def unpack_nibbles(packed, ROWS: tl.constexpr):
     packed = packed.to(tl.int32)
     return tl.reshape(tl.join(packed & 15, packed >> 4), (ROWS, 16))
@@ -75,9 +84,7 @@ def nvfp4_encode_kernel(
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
     tensor_scale = tl.load(tensor_scale_ptr)
     codes, scale_codes, _ = nvfp4_quantize_tile(x, offs, tensor_scale, seed, STOCHASTIC)
-    byte_offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
-    tl.store(packed_ptr + byte_offs, pack_nibbles(codes, ROWS), mask=byte_offs * 2 < n)
-    tl.store(scale_codes_ptr + rows, scale_codes.to(tl.uint8), mask=rows * 16 < n)
+    nvfp4_store_tile(packed_ptr, scale_codes_ptr, codes, scale_codes, rows, n, ROWS)
 
 
 @triton.jit

@@ -16,10 +16,10 @@ import triton
 import triton.language as tl
 
 from .fp8 import FORMATS, fp8_quantize_tile
-from .fused import SCALED, quant_block
-from .int3 import int3_decode_tile, int3_quantize_tile, int3_store_codes
-from .nvfp4 import nvfp4_decode_tile, nvfp4_quantize_tile, pack_nibbles
-from .rounding import EXACT_ARITHMETIC, decode_float, is_nonfinite, tensor_scale_torch
+from .fused import SCALED, amax_or_inf, quant_block
+from .int3 import int3_decode_tile, int3_quantize_tile, int3_store_tile
+from .nvfp4 import nvfp4_decode_tile, nvfp4_quantize_tile, nvfp4_store_tile
+from .rounding import EXACT_ARITHMETIC, decode_float, tensor_scale_torch
 
 TILE = 4096     # elements a program covers (rotate_feedback_quantize_triton's without rotation)
 
@@ -75,9 +75,7 @@ def pieces_quantize_kernel(
     if FEEDBACK:
         y = y + tl.load(residual_ptr + start + offs, mask=mask, other=0.0)
     if AMAX_ONLY:
-        amax = tl.max(tl.max(tl.abs(y), axis=1), axis=0)
-        bad = tl.max(tl.max(is_nonfinite(y).to(tl.int32), axis=1), axis=0)
-        tl.store(amax_ptr + piece * tiles + tile, tl.where(bad > 0, float("inf"), amax))
+        tl.store(amax_ptr + piece * tiles + tile, amax_or_inf(y))
     elif tile * ROWS * QBLOCK < m:
         seed = tl.load(seeds_ptr + piece)
         codes_ptr = payload_ptr + tl.load(offsets_ptr + piece)
@@ -85,18 +83,15 @@ def pieces_quantize_kernel(
             tensor_scale = tl.load(tensor_scales_ptr + piece)
             codes, scale_codes, dequantized = nvfp4_quantize_tile(y, offs, tensor_scale, seed,
                                                                   STOCHASTIC)
-            byte_offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
-            tl.store(codes_ptr + byte_offs, pack_nibbles(codes, ROWS), mask=byte_offs * 2 < m)
             scale_codes_ptr = codes_ptr + (m + 1) // 2
-            tl.store(scale_codes_ptr + rows, scale_codes.to(tl.uint8), mask=rows * 16 < m)
+            nvfp4_store_tile(codes_ptr, scale_codes_ptr, codes, scale_codes, rows, m, ROWS)
             store_fp32_bytes(scale_codes_ptr + (m + 15) // 16, tensor_scale, tile == 0)
         elif INT3:
             tensor_scale = tl.load(tensor_scales_ptr + piece)
             codes, scale_codes, dequantized = int3_quantize_tile(y, offs, tensor_scale, seed,
                                                                  STOCHASTIC)
-            int3_store_codes(codes_ptr, codes, rows, m, ROWS)
             scale_codes_ptr = codes_ptr + 3 * ((m + 7) // 8)
-            tl.store(scale_codes_ptr + rows, scale_codes.to(tl.uint8), mask=rows * 32 < m)
+            int3_store_tile(codes_ptr, scale_codes_ptr, codes, scale_codes, rows, m, ROWS)
             store_fp32_bytes(scale_codes_ptr + (m + 31) // 32, tensor_scale, tile == 0)
         else:
             tensor_scale = tl.load(tensor_scales_ptr + piece) if PER_TENSOR else 0.0
