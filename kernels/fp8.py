@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 
 from .rounding import (E4M3, E5M2, EXACT_ARITHMETIC, FloatFormat, blocks_torch, decode_float,
-                       encode_float, encode_float_torch, is_nonfinite, tensor_scale_torch,
-                       uniform_hash, uniform_hash_torch)
+                       element_noise_torch, encode_float_seeded, encode_float_torch, is_nonfinite,
+                       tensor_scale_torch)
 
 NAN_BITS = tl.constexpr(0x7FC00000)
 FORMATS = {"fp8_e4m3": E4M3, "fp8_e5m2": E5M2}
@@ -42,11 +42,7 @@ def fp8_quantize_tile(
     usable = (scale > 0) & (scale < float("inf"))
     safe = tl.where(usable, scale, 1.0)
     v = tl.where(usable[:, None], tl.math.div_rn(y, safe[:, None]), 0.0)
-    if STOCHASTIC:
-        noise = uniform_hash(seed, offs)
-    else:
-        noise = v
-    codes = encode_float(v, noise, EBITS, MBITS, BIAS, MAX, STOCHASTIC)
+    codes = encode_float_seeded(v, offs, seed, EBITS, MBITS, BIAS, MAX, STOCHASTIC)
     dequantized = decode_float(codes, EBITS, MBITS, BIAS) * scale[:, None]
     return codes, scale, dequantized
 
@@ -168,8 +164,7 @@ def fp8_encode_torch(x, fmt: FloatFormat, block_size, tensor_scale=None, seed=0,
     usable = (s > 0) & (s < float("inf"))
     v = torch.where(usable, blocks / torch.where(usable, s, 1.0), 0.0)
     if stochastic:
-        noise = uniform_hash_torch(seed, torch.arange(v.numel(), device=x.device)).view_as(v)
-        codes = encode_float_torch(v, fmt, noise)
+        codes = encode_float_torch(v, fmt, element_noise_torch(seed, v))
         return codes.to(torch.uint8).reshape(-1)[:n], scales
     # round-to-nearest-even with saturation is exactly torch's own cast after clamping
     dtype = torch.float8_e4m3fn if fmt is E4M3 else torch.float8_e5m2

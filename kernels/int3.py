@@ -16,9 +16,9 @@ from .rounding import (
     E4M3,
     RNE_MAGIC,
     blocks_torch,
+    element_noise_torch,
     tensor_scale_torch,
     uniform_hash,
-    uniform_hash_torch,
 )
 from .two_level import (two_level_decode_triton, two_level_denominators, two_level_encode_triton,
                         two_level_scale, two_level_scale_torch, two_level_values_torch)
@@ -149,9 +149,8 @@ def int3_quantize_blocks_torch(blocks, block_amax, tensor_scale, seed=0, stochas
     a = v.abs()
     a = torch.where(a < 3.0, a, torch.where(a >= 3.0, 3.0, 0.0))   # NaN compares false both ways
     if stochastic:
-        noise = uniform_hash_torch(seed, torch.arange(v.numel(), device=blocks.device)).view_as(v)
         whole = torch.floor(a)
-        level = whole + (noise < a - whole).to(torch.float32)
+        level = whole + (element_noise_torch(seed, v) < a - whole).to(torch.float32)
     else:
         level = (a + 12582912.0) - 12582912.0      # to nearest even, as RNE_MAGIC
     negative = (v < 0) & (level > 0)

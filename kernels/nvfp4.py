@@ -16,12 +16,11 @@ from .rounding import (
     blocks_torch,
     decode_e2m1_torch,
     decode_float,
-    encode_float,
+    element_noise_torch,
+    encode_float_seeded,
     encode_float_torch,
     round_e2m1_nearest_torch,
     tensor_scale_torch,
-    uniform_hash,
-    uniform_hash_torch,
 )
 from .two_level import (two_level_decode_triton, two_level_denominators, two_level_encode_triton,
                         two_level_scale, two_level_scale_torch, two_level_values_torch)
@@ -38,11 +37,7 @@ TENSOR_SCALE_DIVISOR = E2M1.max * E4M3.max   # 2688
 def nvfp4_quantize_tile(y, offs, tensor_scale, seed, STOCHASTIC: tl.constexpr):
     """Quantize a (ROWS, 16) tile: returns E2M1 codes, E4M3 scale codes and the dequantized tile."""
     scale_codes, denom, v = two_level_scale(y, tensor_scale, 6.0)
-    if STOCHASTIC:
-        noise = uniform_hash(seed, offs)
-    else:
-        noise = v
-    codes = encode_float(v, noise, 2, 1, 1, 6.0, STOCHASTIC)       # E2M1
+    codes = encode_float_seeded(v, offs, seed, 2, 1, 1, 6.0, STOCHASTIC)   # E2M1
     dequantized = decode_float(codes, 2, 1, 1) * denom[:, None]   # E2M1
     return codes, scale_codes, dequantized
 
@@ -152,8 +147,7 @@ def nvfp4_quantize_blocks_torch(blocks, block_amax, tensor_scale, seed=0, stocha
     scale_codes, denom, v = two_level_scale_torch(blocks, block_amax, tensor_scale, E2M1.max)
     if stochastic:
         v = torch.nan_to_num(v, nan=0.0)     # non-finite only where the tensor scale is unusable
-        noise = uniform_hash_torch(seed, torch.arange(v.numel(), device=blocks.device)).view_as(v)
-        codes = encode_float_torch(v, E2M1, noise)
+        codes = encode_float_torch(v, E2M1, element_noise_torch(seed, v))
         values = decode_e2m1_torch(codes)
     else:
         codes, values = round_e2m1_nearest_torch(v)

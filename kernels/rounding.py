@@ -98,6 +98,18 @@ def encode_float(v, noise, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.co
 
 
 @triton.jit
+def encode_float_seeded(v, offs, seed, EBITS: tl.constexpr, MBITS: tl.constexpr,
+                        BIAS: tl.constexpr, MAX: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """encode_float of a tile v whose element indices are offs: with STOCHASTIC, its noise is
+    uniform_hash(seed, offs)."""
+    if STOCHASTIC:
+        noise = uniform_hash(seed, offs)
+    else:
+        noise = v   # not read: rounding to nearest even takes no noise
+    return encode_float(v, noise, EBITS, MBITS, BIAS, MAX, STOCHASTIC)
+
+
+@triton.jit
 def decode_float(code, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr):
     """fp32 values of int32 codes."""
     code = code.to(tl.int32)
@@ -145,6 +157,12 @@ def uniform_hash_torch(seed, index):
     h = (h * 0x7FEB352D) & m
     h = h ^ (h >> 15)
     return (h >> 8).to(torch.float32) * 5.9604644775390625e-08
+
+
+def element_noise_torch(seed, v):
+    """Stochastic rounding's noise for each element of v (in v's shape): uniform_hash_torch of
+    its flat index, as encode_float_seeded draws it."""
+    return uniform_hash_torch(seed, torch.arange(v.numel(), device=v.device)).view_as(v)
 
 
 def encode_float_torch(v, fmt: FloatFormat, noise=None):
