@@ -15,13 +15,13 @@ import triton.language as tl
 from .rounding import (
     E4M3,
     RNE_MAGIC,
-    blocks_torch,
     element_noise_torch,
     tensor_scale_torch,
     uniform_hash,
 )
-from .two_level import (two_level_decode_triton, two_level_denominators, two_level_encode_triton,
-                        two_level_scale, two_level_scale_torch, two_level_values_torch)
+from .two_level import (two_level_decode_torch, two_level_decode_triton, two_level_denominators,
+                        two_level_encode_torch, two_level_encode_triton, two_level_scale,
+                        two_level_scale_torch, two_level_values_torch)
 
 BLOCK = 32
 LEVELS = 3
@@ -159,14 +159,6 @@ def int3_quantize_blocks_torch(blocks, block_amax, tensor_scale, seed=0, stochas
     return codes.to(torch.uint8).reshape(-1), scale_codes, values * denom[:, None]
 
 
-def int3_codes_torch(x, tensor_scale, seed=0, stochastic=False):
-    """Unpacked codes (uint8, one per element, padded to whole blocks) and E4M3 scale codes."""
-    blocks = blocks_torch(x, BLOCK)
-    codes, scale_codes, _ = int3_quantize_blocks_torch(blocks, blocks.abs().amax(dim=1),
-                                                       tensor_scale, seed, stochastic)
-    return codes, scale_codes
-
-
 def int3_levels_torch(codes):
     """The signed levels (fp32) of codes (int32): |level| with the sign in bit 2."""
     level = (codes & 3).to(torch.float32)
@@ -201,11 +193,11 @@ def unpack_int3_torch(packed):
 
 def int3_encode_torch(x, tensor_scale, seed=0, stochastic=False):
     """The reference of int3_encode_triton: packed codes and one E4M3 scale code per block."""
-    codes, scale_codes = int3_codes_torch(x, tensor_scale, seed, stochastic)
-    return pack_int3_torch(codes, x.numel()), scale_codes
+    return two_level_encode_torch(x, BLOCK, int3_quantize_blocks_torch, pack_int3_torch,
+                                  tensor_scale, seed, stochastic)
 
 
 def int3_decode_torch(packed, scale_codes, tensor_scale, n, out=None):
     """n decoded fp32 values, into out (n elements) if given."""
-    values = int3_values_torch(unpack_int3_torch(packed), scale_codes, tensor_scale)[:n]
-    return values if out is None else out.copy_(values)
+    return two_level_decode_torch(packed, scale_codes, tensor_scale, n, out, unpack_int3_torch,
+                                  int3_values_torch)

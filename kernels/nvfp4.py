@@ -13,7 +13,6 @@ import triton.language as tl
 from .rounding import (
     E2M1,
     E4M3,
-    blocks_torch,
     decode_e2m1_torch,
     decode_float,
     element_noise_torch,
@@ -22,8 +21,9 @@ from .rounding import (
     round_e2m1_nearest_torch,
     tensor_scale_torch,
 )
-from .two_level import (two_level_decode_triton, two_level_denominators, two_level_encode_triton,
-                        two_level_scale, two_level_scale_torch, two_level_values_torch)
+from .two_level import (two_level_decode_torch, two_level_decode_triton, two_level_denominators,
+                        two_level_encode_torch, two_level_encode_triton, two_level_scale,
+                        two_level_scale_torch, two_level_values_torch)
 
 BLOCK = 16
 # The kernels spell the two formats out as (ebits, mbits, bias, max) literals: E4M3 = (4, 3, 7,
@@ -131,14 +131,6 @@ def nvfp4_tensor_scale_torch(amax):
     return tensor_scale_torch(amax, TENSOR_SCALE_DIVISOR)
 
 
-def nvfp4_codes_torch(x, tensor_scale, seed=0, stochastic=False):
-    """Unpacked E2M1 codes (uint8, one per element, padded to whole blocks) and E4M3 scale codes."""
-    blocks = blocks_torch(x, BLOCK)
-    codes, scale_codes, _ = nvfp4_quantize_blocks_torch(blocks, blocks.abs().amax(dim=1),
-                                                        tensor_scale, seed, stochastic)
-    return codes, scale_codes
-
-
 def nvfp4_quantize_blocks_torch(blocks, block_amax, tensor_scale, seed=0, stochastic=False):
     """Codes (uint8, flat), scale codes and dequantized values (blocks' shape) of (blocks, 16) rows
     whose amax per row the caller has (it also gives the tensor's amax: one pass over the data for
@@ -198,11 +190,11 @@ def unpack_codes_torch(packed):
 
 def nvfp4_encode_torch(x, tensor_scale, seed=0, stochastic=False):
     """The reference of nvfp4_encode_triton: packed codes and one E4M3 scale code per block."""
-    codes, scale_codes = nvfp4_codes_torch(x, tensor_scale, seed, stochastic)
-    return pack_codes_torch(codes, x.numel()), scale_codes
+    return two_level_encode_torch(x, BLOCK, nvfp4_quantize_blocks_torch, pack_codes_torch,
+                                  tensor_scale, seed, stochastic)
 
 
 def nvfp4_decode_torch(packed, scale_codes, tensor_scale, n, out=None):
     """n decoded fp32 values, into out (n elements) if given."""
-    values = nvfp4_values_torch(unpack_codes_torch(packed), scale_codes, tensor_scale)[:n]
-    return values if out is None else out.copy_(values)
+    return two_level_decode_torch(packed, scale_codes, tensor_scale, n, out, unpack_codes_torch,
+                                  nvfp4_values_torch)

@@ -8,13 +8,13 @@ A block whose denominator s_b * s_t is 0 or not finite (a non-finite tensor scal
 one NaN) scales to zeros (torch divides it by inf, which leaves a NaN a NaN). Here: the scaling
 of a tile (Triton) or of (blocks, block) rows (torch), the decoders' side (the blocks'
 denominators in Triton, the values of codes in torch), and the launches of the two formats'
-encode and decode kernels, which take the same arguments.
+encode and decode kernels, which take the same arguments, with their references.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .rounding import E4M3, EXACT_ARITHMETIC, decode_float, encode_float
+from .rounding import E4M3, EXACT_ARITHMETIC, blocks_torch, decode_float, encode_float
 
 
 # ---------------------------------------------------------------- Triton
@@ -92,3 +92,20 @@ def two_level_values_torch(codes, scale_codes, tensor_scale, block, grid_values)
         codes = torch.nn.functional.pad(codes, (0, scale_codes.numel() * block - codes.numel()))
     denom = e4m3_block_denominators(scale_codes, tensor_scale.to(torch.float32).reshape(()))
     return (grid_values(codes).view(-1, block) * denom[:, None]).reshape(-1)
+
+
+def two_level_encode_torch(x, block, quantize_blocks, pack, tensor_scale, seed, stochastic):
+    """The reference of two_level_encode_triton: x's codes, from the format's quantize_blocks
+    (nvfp4_quantize_blocks_torch's arguments) packed by pack (codes, x's size), and one E4M3 scale
+    code per block."""
+    blocks = blocks_torch(x, block)
+    codes, scale_codes, _ = quantize_blocks(blocks, blocks.abs().amax(dim=1), tensor_scale, seed,
+                                            stochastic)
+    return pack(codes, x.numel()), scale_codes
+
+
+def two_level_decode_torch(packed, scale_codes, tensor_scale, n, out, unpack, values_of):
+    """The reference of two_level_decode_triton: n decoded fp32 values, the format's values_of
+    (nvfp4_values_torch's arguments) the codes unpack gives, into out if it is not None."""
+    values = values_of(unpack(packed), scale_codes, tensor_scale)[:n]
+    return values if out is None else out.copy_(values)
