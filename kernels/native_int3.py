@@ -12,11 +12,11 @@ from .native_scalars import (
     E4M3,
     F0,
     F1,
-    INF,
     KERNEL,
     RNE_MAGIC,
+    block_divisor,
     decode_float,
-    encode_float,
+    e4m3_block_scale,
     magnitude_bits,
     uniform_hash,
 )
@@ -40,8 +40,6 @@ def make_int3_quantize(feedback_mode, stochastic):
         n = x.size
         y = np.empty(INT3_BLOCK, np.float32)
         codes = np.empty(INT3_BLOCK, np.int32)
-        t_usable = tensor_scale > F0 and tensor_scale < INF
-        scale_unit = tensor_scale * THREE
         for b in range(-(-n // INT3_BLOCK)):
             base = b * INT3_BLOCK
             count = min(INT3_BLOCK, n - base)
@@ -55,11 +53,8 @@ def make_int3_quantize(feedback_mode, stochastic):
                 y[i] = v
                 top = max(top, magnitude_bits(v))
             amax = np.int32(top).view(np.float32)
-            ratio = min(amax / scale_unit, E4M3[3]) if t_usable else F0
-            scale_codes[b], scale = encode_float(ratio, ratio, E4M3[0], E4M3[1], E4M3[2],
-                                                 E4M3[3], False)
-            denom = scale * tensor_scale
-            divisor = denom if (denom > F0 and denom < INF) else INF
+            scale_codes[b], denom = e4m3_block_scale(amax, tensor_scale, THREE)
+            divisor = block_divisor(denom)
             for i in range(INT3_BLOCK):
                 v = y[i] / divisor
                 a = min(abs(v), THREE)

@@ -9,9 +9,9 @@ added r, rounded as here) and r is only written."""
 import numpy as np
 from numba import njit
 
-from .native_scalars import (E2M1, E4M3, F0, F1, FOUR, FP8_FORMATS, HALF, INF, KERNEL,
-                             NVFP4_BLOCK, RNE_MAGIC, SIX, TWO, encode_float, magnitude_bits,
-                             uniform_hash)
+from .native_scalars import (E2M1, F0, F1, FOUR, FP8_FORMATS, HALF, INF, KERNEL, NVFP4_BLOCK,
+                             RNE_MAGIC, SIX, TWO, block_divisor, e4m3_block_scale, encode_float,
+                             magnitude_bits, uniform_hash)
 
 
 def make_amax(add):
@@ -62,16 +62,12 @@ def nvfp4_quantize_chunk(y, codes, new_residual, scale_codes, scratch, tensor_sc
     (pairs, quads, octets, maxima, denoms) buffers."""
     pairs, quads, octets, maxima, denoms = scratch
     block_maxima(y, pairs, quads, octets, maxima)
-    t_usable = tensor_scale > F0 and tensor_scale < INF
     for b in range(CHUNK_BLOCKS):
         amax = np.int32(maxima[b]).view(np.float32)
-        ratio = min(amax / (tensor_scale * SIX), E4M3[3]) if t_usable else F0
-        scale_codes[b], scale = encode_float(ratio, ratio, E4M3[0], E4M3[1], E4M3[2], E4M3[3],
-                                             False)
-        denoms[b] = scale * tensor_scale
+        scale_codes[b], denoms[b] = e4m3_block_scale(amax, tensor_scale, SIX)
     for b in range(CHUNK_BLOCKS):
         denom = denoms[b]
-        divisor = denom if (denom > F0 and denom < INF) else INF
+        divisor = block_divisor(denom)
         for i in range(NVFP4_BLOCK):
             j = b * NVFP4_BLOCK + i
             v = y[j] / divisor

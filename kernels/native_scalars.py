@@ -1,6 +1,7 @@
 """The scalar arithmetic of the native CPU kernels (numba, inlined into them): fp32 bit tricks,
-the rounding hash, and encoding / decoding a float format, operation for operation as the torch
-references in rounding.py, so the same bits.
+the rounding hash, encoding / decoding a float format, and a block's two-level scale (NVFP4,
+INT3), operation for operation as the torch references in rounding.py and two_level.py, so the
+same bits.
 
 Exactness rules: every constant is an np.float32 (a Python float would turn the arithmetic into
 fp64), bit casts are scalar `.view`s, and rounding to nearest even adds and subtracts 1.5 * 2**23
@@ -84,6 +85,23 @@ def decode_float(code, ebits, mbits, bias):
     normal = np.int32(((ef - bias + 127) << 23) | (m << (23 - mbits))).view(np.float32)
     value = normal if ef > 0 else np.float32(m) * pow2(1 - bias - mbits)
     return np.int32(np.float32(value).view(np.int32) | (sign << 31)).view(np.float32)
+
+
+@njit(inline="always")
+def e4m3_block_scale(amax, tensor_scale, grid_max):
+    """two_level_scale_torch for one block of NVFP4 or INT3 (grid_max 6 or 3): its E4M3 scale
+    code and its denominator, the code's value times the tensor scale."""
+    t_usable = tensor_scale > F0 and tensor_scale < INF
+    ratio = min(amax / (tensor_scale * grid_max), E4M3[3]) if t_usable else F0
+    code, scale = encode_float(ratio, ratio, E4M3[0], E4M3[1], E4M3[2], E4M3[3], False)
+    return code, scale * tensor_scale
+
+
+@njit(inline="always")
+def block_divisor(denom):
+    """What a block's values are divided by: its denominator, or inf where that is 0 or not
+    finite, so the values become zeros (two_level_scale_torch)."""
+    return denom if (denom > F0 and denom < INF) else INF
 
 
 MAGNITUDE_BITS = np.int32(0x7FFFFFFF)
