@@ -33,6 +33,15 @@ def add_payload(total, values, j, from_zero, count):
 
 
 @njit(inline="always")
+def e4m3_denominators(denoms, scale_codes, tensor_scale):
+    """denoms[b] = the value of E4M3 scale code b times the tensor scale: a tile's denominators
+    first, in a loop across its blocks (which vectorizes)."""
+    for b in range(scale_codes.size):
+        denoms[b] = decode_float(np.int32(scale_codes[b]), E4M3[0], E4M3[1],
+                                 E4M3[2]) * tensor_scale
+
+
+@njit(inline="always")
 def nvfp4_block(total, codes, denom, j, from_zero):
     """One whole 16-block of payload j into total, with add_payload's rules: its 8 bytes'
     E2M1 values times the block's denominator, in fixed loops (which vectorize)."""
@@ -93,10 +102,7 @@ def make_nvfp4_accumulate(from_zero, epilogue):
             for j in range(packed.shape[0]):
                 codes = packed[j, base // 2: base // 2 + (count + 1) // 2]
                 scales = scale_codes[j, base // NVFP4_BLOCK: base // NVFP4_BLOCK + whole + 1]
-                # the tile's denominators first, in a loop across its blocks (which vectorizes)
-                for b in range(scales.size):
-                    denoms[b] = decode_float(np.int32(scales[b]), E4M3[0], E4M3[1],
-                                             E4M3[2]) * tensor_scales[j]
+                e4m3_denominators(denoms, scales, tensor_scales[j])
                 for b in range(whole):
                     nvfp4_block(total[b * NVFP4_BLOCK: (b + 1) * NVFP4_BLOCK],
                                 codes[b * 8: b * 8 + 8], denoms[b], j, from_zero)

@@ -6,16 +6,14 @@ native_decode's variants and epilogues. A non-finite tensor never reaches the qu
 import numpy as np
 from numba import njit
 
-from .native_decode import DECODE_TILE, VARIANTS, add_payload, owner_epilogue
+from .native_decode import DECODE_TILE, VARIANTS, add_payload, e4m3_denominators, owner_epilogue
 from .native_quantize import FEEDBACK
 from .native_scalars import (
-    E4M3,
     F0,
     F1,
     KERNEL,
     RNE_MAGIC,
     block_divisor,
-    decode_float,
     e4m3_block_scale,
     magnitude_bits,
     uniform_hash,
@@ -80,12 +78,18 @@ def make_int3_quantize(feedback_mode, stochastic):
 
 
 @njit(inline="always")
+def int3_word(codes, start):
+    """The little-endian 24-bit word of the 8-code group whose 3 bytes begin at codes[start]."""
+    return (np.int32(codes[start]) | (np.int32(codes[start + 1]) << 8)
+            | (np.int32(codes[start + 2]) << 16))
+
+
+@njit(inline="always")
 def int3_block(total, codes, denom, j, from_zero):
     """One whole 32-block of payload j (its 12 bytes) into total, with add_payload's rules: each
     group's 24-bit word, then its 8 values times the block's denominator, in fixed loops."""
     for g in range(4):
-        word = (np.int32(codes[3 * g]) | (np.int32(codes[3 * g + 1]) << 8)
-                | (np.int32(codes[3 * g + 2]) << 16))
+        word = int3_word(codes, 3 * g)
         out = total[8 * g: 8 * g + 8]
         if j == 0 and not from_zero:
             for k in range(8):
@@ -119,18 +123,13 @@ def make_int3_accumulate(from_zero, epilogue):
             for j in range(packed.shape[0]):
                 codes = packed[j, base // 8 * 3: base // 8 * 3 + 3 * -(-count // 8)]
                 scales = scale_codes[j, base // INT3_BLOCK: base // INT3_BLOCK + -(-count // 32)]
-                # the tile's denominators first, in a loop across its blocks (which vectorizes)
-                for b in range(scales.size):
-                    denoms[b] = decode_float(np.int32(scales[b]), E4M3[0], E4M3[1],
-                                             E4M3[2]) * tensor_scales[j]
+                e4m3_denominators(denoms, scales, tensor_scales[j])
                 for b in range(whole):
                     int3_block(total[b * INT3_BLOCK: (b + 1) * INT3_BLOCK],
                                codes[b * 12: b * 12 + 12], denoms[b], j, from_zero)
                 rest = count - whole * INT3_BLOCK
                 for g in range(-(-rest // 8)):
-                    o = whole * 12 + 3 * g
-                    word = (np.int32(codes[o]) | (np.int32(codes[o + 1]) << 8)
-                            | (np.int32(codes[o + 2]) << 16))
+                    word = int3_word(codes, whole * 12 + 3 * g)
                     for k in range(8):
                         tail[8 * g + k] = INT3_VALUES[(word >> (3 * k)) & 7] * denoms[whole]
                 if rest:
