@@ -48,6 +48,16 @@ def fp8_quantize_tile(
 
 
 @triton.jit
+def fp8_store_tile(codes_ptr, scales_ptr, codes, scale, rows, offs, n, BLOCK: tl.constexpr,
+                   PER_TENSOR: tl.constexpr):
+    """Stores a quantized (ROWS, BLOCK) tile of the blocks rows: its codes, a byte each, into
+    codes_ptr and, unless PER_TENSOR, its rows' fp32 scales into scales_ptr."""
+    tl.store(codes_ptr + offs, codes.to(tl.uint8), mask=offs < n)
+    if not PER_TENSOR:
+        tl.store(scales_ptr + rows, scale, mask=rows * BLOCK < n)
+
+
+@triton.jit
 def fp8_encode_kernel(
     x_ptr,              # flat fp32 input
     codes_ptr,          # out: one uint8 code an element
@@ -71,9 +81,7 @@ def fp8_encode_kernel(
     tensor_scale = tl.load(tensor_scale_ptr) if PER_TENSOR else 0.0
     codes, scale, _ = fp8_quantize_tile(x, offs, tensor_scale, seed, PER_TENSOR, EBITS, MBITS, BIAS,
                                         MAX, STOCHASTIC)
-    tl.store(codes_ptr + offs, codes.to(tl.uint8), mask=mask)
-    if not PER_TENSOR:
-        tl.store(scales_ptr + rows, scale, mask=rows * BLOCK < n)
+    fp8_store_tile(codes_ptr, scales_ptr, codes, scale, rows, offs, n, BLOCK, PER_TENSOR)
 
 
 @triton.jit

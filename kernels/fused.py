@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import (FORMATS, fp8_decode_tile, fp8_decode_torch, fp8_encode_torch, fp8_quantize_tile,
-                  tile_shape)
+                  fp8_store_tile, tile_shape)
 from .hadamard import LANES, hadamard_tile, hadamard_torch, normalizer, random_signs
 from .int3 import BLOCK as INT3_BLOCK
 from .int3 import (int3_decode_tile, int3_decode_torch, int3_quantize_blocks_torch,
@@ -93,9 +93,7 @@ def rotate_feedback_quantize_kernel(
             codes, scale, dequantized = fp8_quantize_tile(
                 tl.reshape(y, (QROWS, QBLOCK)), qoffs, tensor_scale, seed, PER_TENSOR, EBITS, MBITS,
                 BIAS, MAX, STOCHASTIC)
-            tl.store(codes_ptr + qoffs, codes.to(tl.uint8), mask=qoffs < n)
-            if not PER_TENSOR:
-                tl.store(scales_ptr + qrows, scale, mask=qrows * QBLOCK < n)
+            fp8_store_tile(codes_ptr, scales_ptr, codes, scale, qrows, qoffs, n, QBLOCK, PER_TENSOR)
         if FEEDBACK:
             dequantized = tl.reshape(dequantized, (ROWS, HB * LANES))
             tl.store(residual_ptr + offs, y - dequantized, mask=mask)

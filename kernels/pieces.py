@@ -146,10 +146,12 @@ def pieces_decode_kernel(
         tl.store(out_ptr + start + offs, values, mask=offs < m)
 
 
-def _shape(fmt_name, block_size):
-    """(scale block, scale blocks per program) of a tile of TILE elements."""
+def _shape(fmt_name, block_size, largest):
+    """(scale block, scale blocks per program, programs per piece): a program's tile holds TILE
+    elements, and a piece as large as the largest, largest elements."""
     qblock = quant_block(fmt_name, block_size)
-    return qblock, max(1, TILE // qblock)
+    rows = max(1, TILE // qblock)
+    return qblock, rows, max(1, -(-largest // (rows * qblock)))
 
 
 def quantize_pieces_triton(x, residual, starts, sizes, offsets, seeds, largest, payload,
@@ -160,8 +162,7 @@ def quantize_pieces_triton(x, residual, starts, sizes, offsets, seeds, largest, 
     (a piece scale, or feedback), else None."""
     pieces = starts.numel()
     scaled, per_tensor = fmt_name in SCALED, block_size is None
-    qblock, rows = _shape(fmt_name, block_size)
-    tiles = max(1, -(-largest // (rows * qblock)))
+    qblock, rows, tiles = _shape(fmt_name, block_size, largest)
     fmt = FORMATS.get(fmt_name, FORMATS["fp8_e4m3"])
     common = dict(EXACT_ARITHMETIC, FEEDBACK=residual is not None, NVFP4=fmt_name == "nvfp4",
                   INT3=fmt_name == "int3", PER_TENSOR=per_tensor, ROWS=rows, QBLOCK=qblock,
@@ -185,8 +186,7 @@ def quantize_pieces_triton(x, residual, starts, sizes, offsets, seeds, largest, 
 
 def decode_pieces_triton(payload, starts, sizes, offsets, largest, out, fmt_name, block_size):
     """Every piece's payload decoded into out (fp32); the tables as in quantize_pieces_triton."""
-    qblock, rows = _shape(fmt_name, block_size)
-    tiles = max(1, -(-largest // (rows * qblock)))
+    qblock, rows, tiles = _shape(fmt_name, block_size, largest)
     fmt = FORMATS.get(fmt_name, FORMATS["fp8_e4m3"])
     pieces_decode_kernel[(tiles, starts.numel())](
         payload, offsets, out, starts, sizes, **EXACT_ARITHMETIC, NVFP4=fmt_name == "nvfp4",
