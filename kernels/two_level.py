@@ -1,14 +1,15 @@
-"""NVFP4's two-level scaling, which INT3 shares: the pieces both formats' kernels and references
-run alike.
+"""NVFP4's two-level scaling, which INT3 shares: one place for what both formats' kernels and
+references do alike.
 
     s_t = amax(tensor) / (GRID_MAX * 448)             one fp32 per tensor (given by the caller)
     s_b = E4M3(amax(block) / (GRID_MAX * s_t))        one E4M3 code per block
     v   = x / (s_b * s_t), rounded to the format's grid [-GRID_MAX, GRID_MAX] (E2M1's 6, INT3's 3)
-A block whose denominator s_b * s_t is 0 or not finite (a non-finite tensor scale makes every
-one NaN) scales to zeros (torch divides it by inf, which leaves a NaN a NaN). Here: the scaling
-of a tile (Triton) or of (blocks, block) rows (torch), the decoders' side (the blocks'
-denominators in Triton, the values of codes in torch), and the launches of the two formats'
-encode and decode kernels, which take the same arguments, with their references.
+A block whose denominator s_b * s_t is 0 or not finite (a non-finite tensor scale makes them all
+NaN) scales to zeros (torch divides it by inf, which leaves a NaN a NaN).
+
+Triton: the scaling of a tile, the blocks' denominators when decoding, and the launches of the
+two formats' encode and decode kernels (they take the same arguments). torch: the scaling of
+(blocks, block) rows, the values of codes, and the references of the launches.
 """
 import torch
 import triton
@@ -106,6 +107,7 @@ def two_level_encode_torch(x, block, quantize_blocks, pack, tensor_scale, seed, 
 
 def two_level_decode_torch(packed, scale_codes, tensor_scale, n, out, unpack, values_of):
     """The reference of two_level_decode_triton: n decoded fp32 values, the format's values_of
-    (nvfp4_values_torch's arguments) the codes unpack gives, into out if it is not None."""
+    (nvfp4_values_torch's arguments) of the codes that unpack gives, into out if it is not
+    None."""
     values = values_of(unpack(packed), scale_codes, tensor_scale)[:n]
     return values if out is None else out.copy_(values)
