@@ -6,7 +6,8 @@ with one arm, timing every inner step and counting the bytes its interface sent.
 
 Arms (ARMS): DDP on gloo every step, plain or with GIFT's hook (horovod_gift.ddp, INT3); torchft's
 DiLoCo in fp32; GiftDiLoCo with torchft's FP8 scheme (FP8, no transform, no error feedback: the
-stand-in for torchft's should_quantize, which runs only on CUDA) or with GIFT INT3 (its defaults);
+stand-in for torchft's should_quantize, which runs only on CUDA), with GIFT INT3 or with GIFT
+NVFP4 (its default);
 Streaming DiLoCo (two fragments, each synchronized every H steps in turn, the all-reduce started
 one inner step before it is applied) with GIFT INT3. Every arm: the same seeded initialization,
 data stream per replica (seed, replica), AdamW, and DiLoCo's outer SGD (lr 0.7, Nesterov 0.9).
@@ -39,12 +40,14 @@ GROUP_PORT, GROUP_STORE_PORT = 29541, 29561
 # arm -> (engine, H, options): engine "ddp" (options: GIFT's, None plain), "diloco" (None:
 # torchft's fp32 DiLoCo, else GiftDiLoCo's options) or "streaming" (GiftDiLoCo, two fragments)
 FP8_STAND_IN = dict(format="fp8_e4m3", transform="none", error_feedback=False)
+INT3 = dict(format="int3")
 ARMS = {"DDP fp32": ("ddp", 1, None),
         "DDP + GIFT INT3": ("ddp", 1, dict(format="int3")),
         **{f"DiLoCo fp32 H{h}": ("diloco", h, None) for h in (20, 50, 100, 200)},
         "DiLoCo FP8 H100": ("diloco", 100, FP8_STAND_IN),
-        **{f"GIFT INT3 H{h}": ("diloco", h, {}) for h in (20, 50, 100, 200)},
-        "Streaming GIFT INT3 H100": ("streaming", 100, {})}
+        **{f"GIFT INT3 H{h}": ("diloco", h, INT3) for h in (20, 50, 100, 200)},
+        "GIFT NVFP4 H200": ("diloco", 200, dict(format="nvfp4")),
+        "Streaming GIFT INT3 H100": ("streaming", 100, INT3)}
 
 
 def interface_bytes(name):

@@ -3,7 +3,7 @@
     from horovod_gift.integrations.torchft import GiftDiLoCo
     manager = Manager(pg=ProcessGroupGloo(), use_async_quorum=False, ...)
     with GiftDiLoCo(manager, [model], inner_optimizer, outer_optimizer, sync_every=100,
-                    format="int3") as diloco:
+                    format="nvfp4") as diloco:     # the default; "int3" from 4 replica groups
         for batch in data:          # the loop of torchft's DiLoCo, unchanged
             loss = model(batch).backward(); inner_optimizer.step(); inner_optimizer.zero_grad()
 

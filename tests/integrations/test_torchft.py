@@ -46,6 +46,17 @@ def test_replicas_agree_bit_for_bit_and_follow_torchfts_diloco():
     assert 0.2 * gift[0].sent / 4 < last <= gift[0].sent / 4, (last, gift[0].sent)
 
 
+def test_the_default_format_nvfp4_keeps_replicas_identical_and_nearer_fp32_than_int3():
+    default = run_replicas(steps=16, gift={}, fragments=2)
+    assert default[0].engine.config.format == "nvfp4"
+    w0, w1 = default[0].weights, default[1].weights
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    plain = run_replicas(steps=16, fragments=2)[0].weights
+    int3 = run_replicas(steps=16, gift=dict(format="int3"), fragments=2)[0].weights
+    assert distance(w0, plain) < distance(int3, plain), (distance(w0, plain),
+                                                         distance(int3, plain))
+
+
 def test_a_failed_collective_discards_the_step_on_every_replica_and_training_goes_on(caplog):
     caplog.set_level(logging.INFO, logger="horovod_gift")
     results = run_replicas(steps=16, gift=dict(format="int3"), fragments=2, fail_at={1: (2,)})
