@@ -42,7 +42,7 @@ GROUP_PORT, GROUP_STORE_PORT = 29541, 29561
 FP8_STAND_IN = dict(format="fp8_e4m3", transform="none", error_feedback=False)
 INT3 = dict(format="int3")
 ARMS = {"DDP fp32": ("ddp", 1, None),
-        "DDP + GIFT INT3": ("ddp", 1, dict(format="int3")),
+        "DDP + GIFT INT3": ("ddp", 1, INT3),
         **{f"DiLoCo fp32 H{h}": ("diloco", h, None) for h in (20, 50, 100, 200)},
         "DiLoCo FP8 H100": ("diloco", 100, FP8_STAND_IN),
         **{f"GIFT INT3 H{h}": ("diloco", h, INT3) for h in (20, 50, 100, 200)},

@@ -212,7 +212,7 @@ class GiftConfig:
         transform benchmarks/results/diloco.md measured best on pseudo-gradients. NVFP4, not
         INT3: with 2 replica groups INT3 cost about 1 % of held-out loss against fp32 DiLoCo
         (diloco_cluster_2x2.md: +1.01 %, 95 % CI +0.06 .. +1.95) where NVFP4 kept it (-0.14 %,
-        -0.85 .. +0.57), at 1/1231 of DDP fp32's bytes; with 4 groups INT3 keeps it too
+        -0.85 .. +0.57), at 1/1455 of DDP fp32's bytes; with 4 groups INT3 keeps it too
         (diloco_cluster_4groups.md), at 28 % fewer bytes: format="int3" there."""
         return cls(**dict(dict(format="nvfp4", transform="hadamard"), **options))
 
