@@ -69,7 +69,8 @@ def launch(arm, seed, steps, eval_every, args, out, shaped):
                        "--address", here, "--peer", net.address(0) if shaped else here,
                        "--lighthouse", address, "--seed", str(seed), "--steps", str(steps),
                        "--eval-every", str(eval_every), "--dim", str(args.dim),
-                       "--layers", str(args.layers), "--out", f"{out}.{k}"]
+                       "--layers", str(args.layers), "--lr", str(args.lr),
+                       "--out", f"{out}.{k}"]
             if shaped:      # a group's ranks share its namespace: one link a group
                 command = ["ip", "netns", "exec", net.namespace(k), *command]
             env = dict(os.environ, GLOO_SOCKET_IFNAME=net.IFNAME if shaped else "lo")
@@ -97,10 +98,18 @@ def key(arm, *parts):
     return "-".join([arm.replace(" ", "_").replace("+", "p"), *map(str, parts)])
 
 
+def width_lr(dim):
+    """AdamW's learning rate at a width: 3e-3 at the example's dim 128, times 128 / dim (muP's
+    1 / width rule, as benchmarks/scaling.py sets it), so a wider model is not trained at a rate
+    tuned for a narrower one."""
+    return 3e-3 * 128 / dim
+
+
 def shape_tag(args):
     """The model and cluster in a cached run's name (the first study's 2 layers and 2 replica
     groups unnamed, so its runs stay reusable)."""
     return (f"d{args.dim}" + (f"-l{args.layers}" if args.layers != 2 else "")
+            + (f"-lr{args.lr:g}" if args.lr != width_lr(args.dim) else "")
             + (f"-r{args.replicas}" if args.replicas != 2 else "")
             + (f"-g{args.group_size}" if args.group_size != 1 else ""))
 
@@ -180,7 +189,7 @@ def report(losses, timing, target, args, wall):
              f"Example Llama dim {args.dim}, {args.layers} layers, {args.replicas} replica "
              f"groups of {args.group_size} rank(s), each group in its own network namespace "
              "(DDP inside it over the namespace's loopback) with one link shaped both "
-             f"ways; AdamW lr 3e-3, 16 x 128 bytes a rank a step; DDP {args.steps} steps, "
+             f"ways; AdamW lr {args.lr:g}, 16 x 128 bytes a rank a step; DDP {args.steps} steps, "
              f"DiLoCo arms {args.diloco_steps} inner steps; seeds {seeds}. Target: DDP fp32's "
              f"held-out loss at step {args.target_step}, median over seeds: {target:.4f}. How the "
              "two measurements combine, and why: the docstring of benchmarks/diloco_cluster.py.",
@@ -266,12 +275,15 @@ def main():
                    help="the DDP fp32 step whose held-out loss is the target")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--lr", type=float, default=None,
+                   help="AdamW's learning rate (default: 3e-3 x 128 / dim, see width_lr)")
     p.add_argument("--run-timeout", type=int, default=1800)
     p.add_argument("--only", choices=["loss", "time"], default=None,
                    help="run one measurement's missing runs and stop (no report)")
     p.add_argument("--out", type=pathlib.Path,
                    default=ROOT / "benchmarks/results/diloco_cluster.md")
     args = p.parse_args()
+    args.lr = width_lr(args.dim) if args.lr is None else args.lr
     reason = net.available()
     if reason:
         sys.exit(f"diloco_cluster.py: {reason}: nothing measured")
