@@ -182,11 +182,13 @@ def spread(values, unit="", digits=0):
 
 def report(losses, timing, target, args, wall):
     seeds = args.seeds
+    parameters = next(iter(timing.values()))["parameters"]
     lines = [f"# DiLoCo + GIFT on shaped links ({time.strftime('%Y-%m-%d')})", "",
              "Command: `.venv/bin/python benchmarks/diloco_cluster.py "
              + shlex.join(sys.argv[1:]) + f"` ({wall / 60:.0f} min on 2 cores)", "",
              *kept_reading(args.out),
-             f"Example Llama dim {args.dim}, {args.layers} layers, {args.replicas} replica "
+             f"Example Llama dim {args.dim}, {args.layers} layers ({parameters / 1e6:.2f} M "
+             f"parameters), {args.replicas} replica "
              f"groups of {args.group_size} rank(s), each group in its own network namespace "
              "(DDP inside it over the namespace's loopback) with one link shaped both "
              f"ways; AdamW lr {args.lr:g}, 16 x 128 bytes a rank a step; DDP {args.steps} steps, "
