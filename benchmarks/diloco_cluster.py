@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import peers_net as net  # noqa: E402
 from convergence import interval  # noqa: E402
 from diloco_worker import ARMS  # noqa: E402
-from scaling import kept_reading  # noqa: E402
+from scaling import kept_reading, learning_rate  # noqa: E402
 
 RUNS = ROOT / "runs" / "diloco_cluster"
 # a step whose link sent more synchronized (the lighthouse's heartbeats and a quorum's requests
@@ -98,18 +98,11 @@ def key(arm, *parts):
     return "-".join([arm.replace(" ", "_").replace("+", "p"), *map(str, parts)])
 
 
-def width_lr(dim):
-    """AdamW's learning rate at a width: 3e-3 at the example's dim 128, times 128 / dim (muP's
-    1 / width rule, as benchmarks/scaling.py sets it), so a wider model is not trained at a rate
-    tuned for a narrower one."""
-    return 3e-3 * 128 / dim
-
-
 def shape_tag(args):
     """The model and cluster in a cached run's name (the first study's 2 layers and 2 replica
     groups unnamed, so its runs stay reusable)."""
     return (f"d{args.dim}" + (f"-l{args.layers}" if args.layers != 2 else "")
-            + (f"-lr{args.lr:g}" if args.lr != width_lr(args.dim) else "")
+            + (f"-lr{args.lr:g}" if args.lr != learning_rate(args.dim) else "")
             + (f"-r{args.replicas}" if args.replicas != 2 else "")
             + (f"-g{args.group_size}" if args.group_size != 1 else ""))
 
@@ -278,14 +271,14 @@ def main():
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=None,
-                   help="AdamW's learning rate (default: 3e-3 x 128 / dim, see width_lr)")
+                   help="AdamW's learning rate (default: scaling.py's muP rule, 3e-3 x 128 / dim)")
     p.add_argument("--run-timeout", type=int, default=1800)
     p.add_argument("--only", choices=["loss", "time"], default=None,
                    help="run one measurement's missing runs and stop (no report)")
     p.add_argument("--out", type=pathlib.Path,
                    default=ROOT / "benchmarks/results/diloco_cluster.md")
     args = p.parse_args()
-    args.lr = width_lr(args.dim) if args.lr is None else args.lr
+    args.lr = learning_rate(args.dim) if args.lr is None else args.lr
     reason = net.available()
     if reason:
         sys.exit(f"diloco_cluster.py: {reason}: nothing measured")
