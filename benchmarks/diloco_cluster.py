@@ -48,6 +48,8 @@ RUNS = ROOT / "runs" / "diloco_cluster"
 # a step whose link sent more synchronized (the lighthouse's heartbeats and a quorum's requests
 # are a few kB; the smallest sync here, GIFT INT3's, about 90 kB a fragment)
 SYNC_BYTES = 20_000
+# issue 55's full-clock target against DDP fp32
+SPEEDUP = 20
 
 
 def lighthouse(bind, replicas):
@@ -157,10 +159,32 @@ def steps_to(evals, target):
     return next((e["step"] for e in evals if e["heldout"] <= target), None)
 
 
+def compute_for_speedup(ratio, base_steps, base_sync, steps, sync):
+    """The most compute seconds an inner step at which an arm that reaches the target in steps,
+    syncing sync seconds an inner step, gets there ratio x sooner than a baseline (base_steps,
+    base_sync): the c that solves base_steps (c + base_sync) = ratio steps (c + sync). None
+    when not even link-bound (c = 0) it is ratio x sooner; inf when it is at any c. Compute is
+    what a GPU changes, and what this CPU cannot show; the link's share is measured."""
+    slack = base_steps * base_sync - ratio * steps * sync     # > 0: link-bound it is sooner
+    if slack < 0:
+        return None
+    if ratio * steps <= base_steps:
+        return float("inf")
+    return slack / (ratio * steps - base_steps)
+
+
 def paired(a, b):
     m, h = interval([x - y for x, y in zip(a, b)])
     base = statistics.mean(b)
     return f"{100 * m / base:+.2f} % ({100 * (m - h) / base:+.2f} .. {100 * (m + h) / base:+.2f})"
+
+
+def compute_limit(seconds, base_sync):
+    if seconds is None:
+        return "not reached"
+    if seconds == float("inf"):
+        return "any"
+    return f"{seconds:.3f} s ({100 * seconds / base_sync:.1f} % of DDP's sync)"
 
 
 def spread(values, unit="", digits=0):
@@ -191,14 +215,15 @@ def report(losses, timing, target, args, wall):
              ""]
     ddp = [e[-1]["heldout"] for e in (losses["DDP fp32", s] for s in seeds)]
     for rate in args.rates:
-        base_time = base_link = None
+        base_time = base_link = base_steps = None
         compute, costs = step_costs(timing, rate, args)
         lines += [f"## {rate}", "", f"Compute: {compute:.3f} s an inner step (every arm).", "",
                   "| arm | link bytes / inner step / parameter | sync s / inner step | "
                   "s / inner step | steps to target | time to target (s) | vs DDP fp32 | "
                   "link-bound time to target (s) | vs DDP fp32, link-bound | "
+                  f"{SPEEDUP}x DDP fp32 while compute / inner step <= | "
                   "held-out at the end | vs DDP fp32 | vs DiLoCo fp32, same H |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for arm in args.arms:
             t = dict(costs[arm], parameters=timing[arm, rate]["parameters"])
             steps = [steps_to(losses[arm, s], target) for s in seeds]
@@ -207,10 +232,18 @@ def report(losses, timing, target, args, wall):
             if arm == "DDP fp32":
                 base_time = statistics.median(x for x in times if x is not None)
                 base_link = statistics.median(x for x in links if x is not None)
+                base_steps = statistics.median(x for x in steps if x is not None)
+                base_sync = t["sync"]
             speed, link_speed = (
                 f"{base / statistics.median(got):.1f}x" if got and base else "-"
                 for base, got in ((base_time, [x for x in times if x is not None]),
                                   (base_link, [x for x in links if x is not None])))
+            reached = [x for x in steps if x is not None]
+            limit = "-"
+            if base_steps is not None and arm != "DDP fp32" and reached:
+                limit = compute_limit(compute_for_speedup(
+                    SPEEDUP, base_steps, base_sync, statistics.median(reached), t["sync"]),
+                    base_sync)
             finals = [losses[arm, s][-1]["heldout"] for s in seeds]
             h = ARMS[arm][1]
             fp32 = f"DiLoCo fp32 H{h}"
@@ -220,14 +253,20 @@ def report(losses, timing, target, args, wall):
                 f"| {arm} | {t['bytes'] / t['parameters']:.4f} | {t['sync']:.4f} | "
                 f"{t['seconds']:.3f} | "
                 f"{spread(steps)} | {spread(times, digits=1)} | {speed} | "
-                f"{spread(links, digits=1)} | {link_speed} | "
+                f"{spread(links, digits=1)} | {link_speed} | {limit} | "
                 f"{statistics.mean(finals):.4f} | "
                 f"{paired(finals, ddp) if arm != 'DDP fp32' else '-'} | {same_h} |")
         lines.append("")
     lines += ["Bytes: what a replica's shaped link sent per inner step over the second cycle "
               "(wire bytes, headers, ACKs and the lighthouse's heartbeats included), divided by "
               "the parameters. vs DDP fp32: the ratio of median times to target. Link-bound: steps "
-              "to target x sync seconds per inner step (the module docstring). Held-out at the "
+              "to target x sync seconds per inner step (the module docstring). "
+              f"{SPEEDUP}x DDP fp32 while compute <=: the most seconds of compute an inner "
+              f"step (every arm's, DDP's too) at which the arm's full clock to the target is "
+              f"still {SPEEDUP}x DDP fp32's, from the median steps and the sync seconds above "
+              "(compute_for_speedup), and that as a share of DDP fp32's sync seconds a step: "
+              "on a real cluster, compute a step against the gradient's bytes over the link. "
+              "Held-out at the "
               "end: after each arm's own step budget (DDP's is shorter); the differences are "
               "paired over seeds with a 95 % interval (t).", "",
               f"![held-out loss against time]({args.out.with_suffix('.png').name})", ""]
