@@ -47,6 +47,7 @@ ARMS = {"DDP fp32": ("ddp", 1, None),
         "DiLoCo FP8 H100": ("diloco", 100, FP8_STAND_IN),
         **{f"GIFT INT3 H{h}": ("diloco", h, INT3) for h in (20, 50, 100, 200)},
         "GIFT NVFP4 H200": ("diloco", 200, dict(format="nvfp4")),
+        "GIFT FP8 H200": ("diloco", 200, dict(format="fp8_e4m3")),
         "Streaming GIFT INT3 H100": ("streaming", 100, INT3)}
 
 
