@@ -213,8 +213,9 @@ def report(args):
                     d, h = interval(diffs)
                     lines.append(f"- {a} - {b}: {d:+.4f} ({d - h:+.4f} .. {d + h:+.4f}), "
                                  f"{len(diffs)} seeds")
-                    gains.setdefault((corpus_dir.name, f"{a} - {b}"), []).append(
-                        (n, 100 * d / base, 100 * h / base))
+                    if math.isfinite(base):     # a stage without fp32 has no scale for it
+                        gains.setdefault((corpus_dir.name, f"{a} - {b}"), []).append(
+                            (n, 100 * d / base, 100 * h / base))
             lines.append("")
     gap_png, gain_png = (args.out.with_name(f"{args.out.stem}_{k}.png") for k in ("gap", "gain"))
     lines += [f"![gap against parameters]({gap_png.name})", "",
