@@ -43,11 +43,11 @@ FP8_STAND_IN = dict(format="fp8_e4m3", transform="none", error_feedback=False)
 INT3 = dict(format="int3")
 ARMS = {"DDP fp32": ("ddp", 1, None),
         "DDP + GIFT INT3": ("ddp", 1, INT3),
-        **{f"DiLoCo fp32 H{h}": ("diloco", h, None) for h in (20, 50, 100, 200)},
+        **{f"DiLoCo fp32 H{h}": ("diloco", h, None) for h in (20, 50, 100, 200, 300)},
         "DiLoCo FP8 H100": ("diloco", 100, FP8_STAND_IN),
         **{f"GIFT INT3 H{h}": ("diloco", h, INT3) for h in (20, 50, 100, 200)},
         "GIFT NVFP4 H200": ("diloco", 200, dict(format="nvfp4")),
-        "GIFT FP8 H200": ("diloco", 200, dict(format="fp8_e4m3")),
+        **{f"GIFT FP8 H{h}": ("diloco", h, dict(format="fp8_e4m3")) for h in (200, 300)},
         "Streaming GIFT INT3 H100": ("streaming", 100, INT3)}
 
 
