@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..codec.tensor_codec import Codec, TensorPieces  # noqa: F401 (Codec: a BucketReduction's codec)
+from ..codec.tensor_codec import TensorPieces
 from ..codec.workspaces import workspace
 from .pipeline import Reduction
 
