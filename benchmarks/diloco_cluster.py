@@ -50,6 +50,8 @@ RUNS = ROOT / "runs" / "diloco_cluster"
 SYNC_BYTES = 20_000
 # issue 55's full-clock target against DDP fp32
 SPEEDUP = 20
+# held-out sequences every evaluation reads, whatever --batch-size (the worker's default 8 x 16)
+EVAL_SEQUENCES = 128
 
 
 def lighthouse(bind, replicas):
@@ -72,6 +74,8 @@ def launch(arm, seed, steps, eval_every, args, out, shaped):
                        "--lighthouse", address, "--seed", str(seed), "--steps", str(steps),
                        "--eval-every", str(eval_every), "--dim", str(args.dim),
                        "--layers", str(args.layers), "--lr", str(args.lr),
+                       "--batch-size", str(args.batch_size),
+                       "--eval-batches", str(EVAL_SEQUENCES // args.batch_size),
                        "--out", f"{out}.{k}"]
             if shaped:      # a group's ranks share its namespace: one link a group
                 command = ["ip", "netns", "exec", net.namespace(k), *command]
@@ -106,7 +110,8 @@ def shape_tag(args):
     return (f"d{args.dim}" + (f"-l{args.layers}" if args.layers != 2 else "")
             + (f"-lr{args.lr:g}" if args.lr != learning_rate(args.dim) else "")
             + (f"-r{args.replicas}" if args.replicas != 2 else "")
-            + (f"-g{args.group_size}" if args.group_size != 1 else ""))
+            + (f"-g{args.group_size}" if args.group_size != 1 else "")
+            + (f"-b{args.batch_size}" if args.batch_size != 16 else ""))
 
 
 def loss_run(arm, seed, args):
@@ -208,10 +213,11 @@ def report(losses, timing, target, args, wall):
              f"parameters), {args.replicas} replica "
              f"groups of {args.group_size} rank(s), each group in its own network namespace "
              "(DDP inside it over the namespace's loopback) with one link shaped both "
-             f"ways; AdamW lr {args.lr:g}, 16 x 128 bytes a rank a step; DDP {args.steps} steps, "
-             f"DiLoCo arms {args.diloco_steps} inner steps; seeds {seeds}. Target: DDP fp32's "
-             f"held-out loss at step {args.target_step}, median over seeds: {target:.4f}. How the "
-             "two measurements combine, and why: the docstring of benchmarks/diloco_cluster.py.",
+             f"ways; AdamW lr {args.lr:g}, {args.batch_size} x 128 bytes a rank a step; "
+             f"DDP {args.steps} steps, DiLoCo arms {args.diloco_steps} inner steps; "
+             f"seeds {seeds}. Target: DDP fp32's held-out loss at step {args.target_step}, "
+             f"median over seeds: {target:.4f}. How the two measurements combine, and why: "
+             "the docstring of benchmarks/diloco_cluster.py.",
              ""]
     ddp = [e[-1]["heldout"] for e in (losses["DDP fp32", s] for s in seeds)]
     for rate in args.rates:
@@ -309,6 +315,9 @@ def main():
                    help="the DDP fp32 step whose held-out loss is the target")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="sequences a rank a step: fewer make a step's compute a smaller share "
+                        "of its sync, as a GPU's is against a slow link")
     p.add_argument("--lr", type=float, default=None,
                    help="AdamW's learning rate (default: scaling.py's muP rule, 3e-3 x 128 / dim)")
     p.add_argument("--run-timeout", type=int, default=1800)
