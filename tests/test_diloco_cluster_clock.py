@@ -1,5 +1,7 @@
 """benchmarks/diloco_cluster.py's full-clock threshold: the compute a step below which an arm
-is 20x sooner than DDP fp32 (issue 55's target), from measured steps and sync seconds."""
+is 20x sooner than DDP fp32 (issue 55's target), from measured steps and sync seconds; and the
+names its cached runs go by."""
+import argparse
 import math
 import pathlib
 import sys
@@ -7,7 +9,8 @@ import sys
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
-from diloco_cluster import compute_for_speedup  # noqa: E402
+from diloco_cluster import compute_for_speedup, shape_tag  # noqa: E402
+from scaling import learning_rate  # noqa: E402
 
 
 def clock(steps, compute, sync):
@@ -34,3 +37,17 @@ def test_an_arm_not_20x_sooner_even_link_bound_has_no_threshold():
 
 def test_an_arm_needing_20x_fewer_steps_and_less_sync_is_20x_sooner_at_any_compute():
     assert compute_for_speedup(20, 4000, 1.0, 100, 0.01) == math.inf
+
+
+def shape(**changes):
+    dims = dict(dim=512, layers=2, lr=learning_rate(512), replicas=2, group_size=1, batch_size=16)
+    return argparse.Namespace(**dict(dims, **changes))
+
+
+def test_a_run_is_named_by_what_differs_from_the_first_studys_shape():
+    # the first study's runs keep their names (its caches stay reusable); anything else that
+    # changes the training names itself, so no run is reused for another shape's
+    assert shape_tag(shape()) == "d512"
+    tags = [shape_tag(shape(**c)) for c in (dict(batch_size=4), dict(group_size=2),
+                                             dict(replicas=4), dict(layers=4), dict(lr=1e-3))]
+    assert tags == ["d512-b4", "d512-g2", "d512-r4", "d512-l4", "d512-lr0.001"]
