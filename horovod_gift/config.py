@@ -216,7 +216,8 @@ class GiftConfig:
         (diloco_cluster_4groups.md), at 28 % fewer bytes: format="int3" there. On a model 4x
         wider NVFP4 cost about 1 % at the sync before the last (every seed) and FP8 did not
         (diloco_cluster_d512.md): format="fp8_e4m3" where that matters, with H = 300 for 1/1055
-        of DDP fp32's bytes, -0.29 % (-0.98 .. +0.41) from fp32 DiLoCo (_d512_h300.md)."""
+        of DDP fp32's bytes, -0.29 % (-0.98 .. +0.41) from fp32 DiLoCo
+        (diloco_cluster_d512_h300.md)."""
         return cls(**dict(dict(format="nvfp4", transform="hadamard"), **options))
 
     def refuse_for_diloco(self):
