@@ -50,6 +50,8 @@ RUNS = ROOT / "runs" / "diloco_cluster"
 SYNC_BYTES = 20_000
 # issue 55's full-clock target against DDP fp32
 SPEEDUP = 20
+# sequences a rank a step of the first study, whose cached runs' names do not carry it
+BATCH_SIZE = 16
 # held-out sequences every evaluation reads, whatever --batch-size (the worker's default 8 x 16)
 EVAL_SEQUENCES = 128
 
@@ -111,7 +113,7 @@ def shape_tag(args):
             + (f"-lr{args.lr:g}" if args.lr != learning_rate(args.dim) else "")
             + (f"-r{args.replicas}" if args.replicas != 2 else "")
             + (f"-g{args.group_size}" if args.group_size != 1 else "")
-            + (f"-b{args.batch_size}" if args.batch_size != 16 else ""))
+            + (f"-b{args.batch_size}" if args.batch_size != BATCH_SIZE else ""))
 
 
 def loss_run(arm, seed, args):
@@ -315,7 +317,7 @@ def main():
                    help="the DDP fp32 step whose held-out loss is the target")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=16,
+    p.add_argument("--batch-size", type=int, default=BATCH_SIZE,
                    help="sequences a rank a step: fewer make a step's compute a smaller share "
                         "of its sync, as a GPU's is against a slow link")
     p.add_argument("--lr", type=float, default=None,
@@ -327,6 +329,9 @@ def main():
                    default=ROOT / "benchmarks/results/diloco_cluster.md")
     args = p.parse_args()
     args.lr = learning_rate(args.dim) if args.lr is None else args.lr
+    if args.batch_size < 1 or EVAL_SEQUENCES % args.batch_size:
+        p.error(f"--batch-size must divide {EVAL_SEQUENCES} (the held-out sequences every "
+                f"evaluation reads, the same for every batch size), got {args.batch_size}")
     reason = net.available()
     if reason:
         sys.exit(f"diloco_cluster.py: {reason}: nothing measured")
